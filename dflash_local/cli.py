@@ -1,0 +1,146 @@
+"""The `dflash-local` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .gguf_file import GGUFError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m Q4_K_M from its PyPI package)")
+    p.add_argument("-d", "--draft", help="DFlash drafter GGUF for the target")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline), drafter not loaded")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's trained size)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target/drafter layers on the GPU (-1: all)")
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--flash-attn", action="store_true", help="flash attention for the target (faster on GPUs; "
+                   "on CPUs it rounds verify batches differently, so greedy output may differ from plain decoding)")
+    p.add_argument("--repack", action="store_true", help="repacked CPU weights for the target (same caveat)")
+    p.add_argument("--capture", choices=["auto", "layer_api", "callback"], default="auto", help=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def _load_engine(args):
+    from .engine import Engine
+    from .models import default_target
+
+    model = args.model or default_target()
+    return Engine(
+        model,
+        None if args.no_draft else args.draft,
+        n_ctx=args.ctx_size,
+        n_gpu_layers=args.n_gpu_layers,
+        n_threads=args.threads,
+        block_size=args.block_size,
+        capture=args.capture,
+        flash_attn=args.flash_attn,
+        repack=args.repack,
+        verbose=args.verbose,
+    )
+
+
+def stats_line(s) -> str:
+    line = (
+        f"{s.n_generated} tokens, {s.tokens_per_second:.1f} tok/s, prompt {s.n_prompt} tokens "
+        f"({s.prompt_tokens_per_second:.0f} tok/s), finish: {s.finish_reason}"
+    )
+    if s.steps:
+        line += (
+            f"\nsteps {s.steps}, mean acceptance length {s.mean_acceptance_length:.2f}; per step: "
+            f"draft {s.draft_ms / s.steps:.1f} ms, verify {s.verify_ms / s.steps:.1f} ms, "
+            f"other {s.other_ms / s.steps:.2f} ms ({100 * s.other_fraction:.1f}%)"
+        )
+    if s.drafting and s.acceptance_rate:
+        line += "\nacceptance by block position: " + " ".join(f"{r:.2f}" for r in s.acceptance_rate)
+    return line
+
+
+def cmd_generate(args) -> int:
+    from .engine import Finished, TextDelta
+
+    engine = _load_engine(args)
+    if args.prompt is None:
+        args.prompt = sys.stdin.read()
+    kwargs = dict(
+        max_tokens=args.max_tokens,
+        stop=args.stop or (),
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        events = engine.generate(messages=messages, **kwargs)
+    else:
+        events = engine.generate(args.prompt, **kwargs)
+    for ev in events:
+        if isinstance(ev, TextDelta) and not args.json:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Finished):
+            s = ev.summary
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "token_ids": ev.token_ids,
+                            "text": ev.text,
+                            "finish_reason": s.finish_reason,
+                            "tokens_per_second": s.tokens_per_second,
+                            "mean_acceptance_length": s.mean_acceptance_length,
+                            "draft_ms": s.draft_ms,
+                            "verify_ms": s.verify_ms,
+                            "other_ms": s.other_ms,
+                            "steps": s.steps,
+                            "n_prompt": s.n_prompt,
+                            "prompt_ms": s.prompt_ms,
+                            "acceptance_rate": s.acceptance_rate,
+                            "drafting": s.drafting,
+                        }
+                    )
+                )
+            else:
+                print()
+                print(stats_line(s), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-local", description="DFlash speculative decoding for GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _engine_args(g)
+    g.add_argument("-p", "--prompt", help="prompt text (default: read standard input)")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    g.add_argument("--system", help="system message (with --chat)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    g.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (GGUFError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"dflash-local: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

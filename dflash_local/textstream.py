@@ -1,0 +1,51 @@
+"""Token bytes in, text deltas out: UTF-8 safe across token boundaries, with stop strings that may span tokens."""
+
+from __future__ import annotations
+
+import codecs
+
+
+class TextStream:
+    def __init__(self, stop: list[str] | tuple[str, ...] = ()):
+        self.stop = [s for s in stop if s]
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""  # decoded text not yet released: it may be the start of a stop string
+        self.text = ""  # everything released so far
+        self.stopped_by: str | None = None
+
+    def feed(self, piece: bytes) -> str:
+        """Add one token's bytes; return the text that is now safe to show."""
+        self._held += self._decoder.decode(piece)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """End of generation: release whatever is held (a dangling partial UTF-8 sequence becomes U+FFFD)."""
+        self._held += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped_by is not None:
+            return ""
+        hits = [(self._held.find(s), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits)
+            out, self._held, self.stopped_by = self._held[:i], "", s
+        elif final:
+            out, self._held = self._held, ""
+        else:
+            keep = self._partial_stop_suffix()
+            out = self._held[: len(self._held) - keep]
+            self._held = self._held[len(out) :]
+        self.text += out
+        return out
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest tail of the held text that begins some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self._held)), best, -1):
+                if s.startswith(self._held[-n:]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,95 @@
+"""Checks on a target GGUF and a DFlash drafter GGUF, made before llama.cpp sees them.
+
+llama.cpp aborts the whole process on many failed asserts (a feature layer out of range, a feature width that does
+not match the drafter's fc, a missing mask token), so everything it would trip on is checked here first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gguf_file import ArrayInfo, GGUFInfo, read_gguf
+
+
+class PairError(ValueError):
+    """The drafter does not fit the target."""
+
+
+@dataclass
+class DraftSpec:
+    layers: list[int]  # target layer-input indices whose hidden states feed the drafter
+    block_size: int
+    mask_token: int
+
+
+def _need(info: GGUFInfo, key: str):
+    value = info.get(key)
+    if value is None:
+        raise PairError(f"{info.path.name}: missing metadata '{info.arch}.{key}'")
+    return value
+
+
+def check_target(info: GGUFInfo) -> None:
+    if not info.arch:
+        raise PairError(f"{info.path.name}: no general.architecture")
+    if info.arch == "dflash":
+        raise PairError(f"{info.path.name} is a DFlash drafter, not a target model")
+    if info.n_vocab == 0:
+        raise PairError(f"{info.path.name}: no tokenizer vocabulary")
+    _need(info, "block_count")
+    _need(info, "embedding_length")
+
+
+def check_pair(target: GGUFInfo, draft: GGUFInfo) -> DraftSpec:
+    """Validate that `draft` is a DFlash drafter made for `target`; return what the runtime needs."""
+    name = draft.path.name
+    if draft.arch != "dflash":
+        raise PairError(f"{name}: architecture is '{draft.arch}', expected a 'dflash' drafter")
+    n_layer = _need(target, "block_count")
+    n_embd = _need(target, "embedding_length")
+
+    layers = draft.get("target_layers")
+    if not isinstance(layers, ArrayInfo) or not layers.values:
+        raise PairError(f"{name}: missing 'dflash.target_layers'")
+    layers = [int(v) for v in layers.values]
+    bad = [lid for lid in layers if not 1 <= lid < n_layer]
+    if bad:
+        raise PairError(
+            f"{name}: target layers {bad} do not exist in {target.path.name}, whose layer inputs run 1..{n_layer - 1} "
+            f"(the drafter was made for a deeper model)"
+        )
+
+    fc = draft.tensors.get("fc.weight")
+    if fc is None:
+        raise PairError(f"{name}: missing tensor fc.weight")
+    if fc.shape[0] != len(layers) * n_embd:
+        raise PairError(
+            f"{name}: fc.weight takes {fc.shape[0]} features, but {len(layers)} layers of {target.path.name} "
+            f"give {len(layers)} x {n_embd} = {len(layers) * n_embd} (hidden size mismatch)"
+        )
+    d_embd = _need(draft, "embedding_length")
+    if "token_embd.weight" not in draft.tensors and d_embd != n_embd:
+        raise PairError(
+            f"{name}: hidden size {d_embd} differs from the target's {n_embd}, and the drafter has no embeddings "
+            f"of its own to use instead of the target's"
+        )
+
+    if draft.n_vocab != target.n_vocab:
+        raise PairError(f"{name}: vocabulary of {draft.n_vocab} tokens, the target has {target.n_vocab}")
+    if draft.kv["tokenizer.ggml.tokens"].digest != target.kv["tokenizer.ggml.tokens"].digest:
+        raise PairError(f"{name}: its tokenizer differs from the target's (same size, different tokens)")
+    mask = draft.kv.get("tokenizer.ggml.mask_token_id")
+    if mask is None or not 0 <= mask < target.n_vocab:
+        raise PairError(f"{name}: missing or invalid tokenizer.ggml.mask_token_id ({mask})")
+
+    block_size = int(draft.get("block_size", 16))
+    if not 2 <= block_size <= 64:
+        raise PairError(f"{name}: block size {block_size} outside 2..64")
+    return DraftSpec(layers, block_size, int(mask))
+
+
+def load_infos(model_path, draft_path=None) -> tuple[GGUFInfo, GGUFInfo | None]:
+    target = read_gguf(model_path)
+    check_target(target)
+    draft = read_gguf(draft_path) if draft_path else None
+    return target, draft

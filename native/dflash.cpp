@@ -1,0 +1,733 @@
+// The per-step work of DFlash speculative decoding, written directly against llama.cpp's C API.
+//
+// A Session owns a target context and, optionally, a DFlash drafter context that borrows the target's token
+// embeddings and LM head (ctx_other). One call of step() drafts a block, verifies it with the target in one batch,
+// accepts the longest agreeing prefix plus the target's own token, rolls back both KV caches and feeds the
+// accepted positions' target features to the drafter. Python only sees whole steps.
+
+#include "llama.h"
+#include "ggml-backend.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// Declared in llama.cpp's src/llama-ext.h (C++ linkage, exported by libllama, absent from the public headers).
+LLAMA_API void    llama_set_embeddings_layer_inp(llama_context * ctx, uint32_t lid, bool value);
+LLAMA_API float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid);
+
+namespace py = pybind11;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Logging: llama.cpp is chatty; keep quiet unless asked, but remember the last lines for error messages.
+
+static std::mutex              g_log_mutex;
+static bool                    g_verbose = false;
+static std::deque<std::string> g_log_tail;
+
+static void log_cb(ggml_log_level level, const char * text, void *) {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    if (g_verbose) {
+        fputs(text, stderr);
+    }
+    if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) {
+        g_log_tail.emplace_back(text);
+        if (g_log_tail.size() > 8) {
+            g_log_tail.pop_front();
+        }
+    }
+}
+
+static std::string take_log_tail() {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    std::string out;
+    for (auto & line : g_log_tail) {
+        out += line;
+    }
+    g_log_tail.clear();
+    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) {
+        out.pop_back();
+    }
+    return out;
+}
+
+[[noreturn]] static void fail(const std::string & what) {
+    std::string tail = take_log_tail();
+    throw std::runtime_error(tail.empty() ? what : what + " (llama.cpp: " + tail + ")");
+}
+
+static double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Architectures whose llama.cpp graph records layer inputs (res->t_layer_inp). For any other architecture,
+// enabling llama_set_embeddings_layer_inp aborts the process inside llama_decode, so they use the eval callback.
+static bool arch_records_layer_inputs(const std::string & arch) {
+    static const char * archs[] = {
+        "llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "gemma4", "gpt-oss",
+        "lfm2", "minimax-m2", "nemotron_h", "deepseek4",
+    };
+    for (const char * a : archs) {
+        if (arch == a) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Model: a loaded GGUF plus its vocabulary.
+
+struct Model {
+    llama_model * model = nullptr;
+    const llama_vocab * vocab = nullptr;
+
+    Model(const std::string & path, int n_gpu_layers, bool repack) {
+        llama_model_params mp = llama_model_default_params();
+        mp.n_gpu_layers = n_gpu_layers;
+        // repacked CPU weights switch kernels with the batch size, which changes rounding between a 1-token decode
+        // and a verify batch; off keeps greedy verification bit-exact on CPUs
+        mp.use_extra_bufts = repack;
+        take_log_tail();
+        model = llama_model_load_from_file(path.c_str(), mp);
+        if (!model) {
+            fail("failed to load model from " + path);
+        }
+        vocab = llama_model_get_vocab(model);
+    }
+    ~Model() { llama_model_free(model); }
+    Model(const Model &) = delete;
+    Model & operator=(const Model &) = delete;
+
+    std::string meta(const std::string & key) const {
+        std::vector<char> buf(256);
+        int32_t n = llama_model_meta_val_str(model, key.c_str(), buf.data(), buf.size());
+        if (n < 0) {
+            return "";
+        }
+        if ((size_t) n >= buf.size()) {
+            buf.resize(n + 1);
+            llama_model_meta_val_str(model, key.c_str(), buf.data(), buf.size());
+        }
+        return std::string(buf.data());
+    }
+    std::string arch() const { return meta("general.architecture"); }
+    int n_vocab() const { return llama_vocab_n_tokens(vocab); }
+
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const {
+        std::vector<llama_token> out(text.size() + 8);
+        int32_t n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                                   add_special, parse_special);
+        if (n < 0) {
+            out.resize(-n);
+            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                               add_special, parse_special);
+        }
+        if (n < 0) {
+            fail("tokenization failed");
+        }
+        out.resize(n);
+        return out;
+    }
+
+    // Raw bytes of one token; a UTF-8 character may be split across tokens, so Python joins bytes, not strings.
+    py::bytes piece(llama_token tok) const {
+        if (tok < 0 || tok >= n_vocab()) {
+            throw std::out_of_range("token id out of range");
+        }
+        char buf[256];
+        int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof(buf), 0, false);
+        if (n < 0) {
+            std::string big(-n, '\0');
+            n = llama_token_to_piece(vocab, tok, big.data(), (int32_t) big.size(), 0, false);
+            return py::bytes(big.data(), std::max(n, 0));
+        }
+        return py::bytes(buf, n);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling. Every generated token k draws one uniform number u_k = hash(seed, k), whatever the draft length, so a
+// speculative run and a plain run with the same seed sample the same tokens: verification stays exact when sampling.
+
+struct Sampling {
+    float    temperature = 0.0f;
+    int      top_k       = 0;
+    float    top_p       = 1.0f;
+    float    min_p       = 0.0f;
+    uint64_t seed        = 0;
+};
+
+static double uniform(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;  // splitmix64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = z ^ (z >> 31);
+    return (z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static llama_token argmax(const float * logits, int n) {
+    return (llama_token) (std::max_element(logits, logits + n) - logits);
+}
+
+// llama.cpp's default order: top-k, top-p, min-p on the untempered distribution, then temperature.
+static llama_token sample_row(const float * logits, int n_vocab, const Sampling & s, uint64_t index,
+                              std::vector<std::pair<float, llama_token>> & cand) {
+    if (s.temperature <= 0.0f) {
+        return argmax(logits, n_vocab);
+    }
+    cand.resize(n_vocab);
+    for (int i = 0; i < n_vocab; ++i) {
+        cand[i] = {logits[i], i};
+    }
+    auto desc = [](const auto & a, const auto & b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+    size_t n = cand.size();
+    if (s.top_k > 0 && (size_t) s.top_k < n) {
+        std::nth_element(cand.begin(), cand.begin() + s.top_k, cand.end(), desc);
+        n = s.top_k;
+    }
+    const float lmax = std::max_element(cand.begin(), cand.begin() + n, [](auto & a, auto & b) { return a.first < b.first; })->first;
+    double z = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        z += std::exp((double) cand[i].first - lmax);
+    }
+    if (s.top_p < 1.0f) {
+        // sort only as much of the head as the nucleus needs: most rows end within the first few dozen tokens
+        size_t k = std::min<size_t>(64, n);
+        for (;;) {
+            std::partial_sort(cand.begin(), cand.begin() + k, cand.begin() + n, desc);
+            double cum = 0.0;
+            size_t cut = k;
+            for (size_t i = 0; i < k; ++i) {
+                cum += std::exp((double) cand[i].first - lmax) / z;
+                if (cum >= s.top_p) {
+                    cut = i + 1;
+                    break;
+                }
+            }
+            if (cut < k || cum >= s.top_p || k == n) {
+                n = cut;
+                break;
+            }
+            k = std::min(n, k * 8);
+        }
+    }
+    if (s.min_p > 0.0f) {
+        // min-p is relative to the most likely candidate, which is still in the set
+        const float keep = lmax + std::log(s.min_p);
+        size_t m = 0;
+        for (size_t i = 0; i < n; ++i) {
+            if (cand[i].first >= keep) {
+                cand[m++] = cand[i];
+            }
+        }
+        n = m;
+    }
+    std::sort(cand.begin(), cand.begin() + n, desc);  // a fixed order makes the draw reproducible
+    double zt = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        zt += std::exp(((double) cand[i].first - lmax) / s.temperature);
+    }
+    const double u = uniform(s.seed, index) * zt;
+    double cum = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        cum += std::exp(((double) cand[i].first - lmax) / s.temperature);
+        if (u < cum) {
+            return cand[i].second;
+        }
+    }
+    return cand[n - 1].second;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Session: target context, optional drafter context, and the speculative step.
+
+struct StepResult {
+    std::vector<llama_token> tokens;       // accepted draft tokens followed by the target's own token
+    std::vector<llama_token> draft;        // what the drafter proposed
+    std::vector<float>       draft_probs;  // drafter's probability of each proposed token
+    int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
+    double draft_ms   = 0.0;               // drafter compute: noise block decode and feature injection
+    double verify_ms  = 0.0;               // target compute: the verify batch
+    double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
+};
+
+class Session {
+public:
+    Session(Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads, bool use_layer_api,
+            bool flash_attn)
+        : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api) {
+        if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
+            throw std::invalid_argument("targets with recurrent or hybrid memory cannot roll back drafted tokens yet");
+        }
+        n_embd = llama_model_n_embd(tgt.model);
+        const int n_layer = llama_model_n_layer(tgt.model);
+        for (int lid : this->layers) {
+            if (lid < 1 || lid >= n_layer) {
+                throw std::invalid_argument("feature layer " + std::to_string(lid) + " is outside the target's 1.." +
+                                            std::to_string(n_layer - 1));
+            }
+        }
+        if (layer_api && !arch_records_layer_inputs(tgt.arch())) {
+            throw std::invalid_argument("architecture '" + tgt.arch() + "' does not record layer inputs");
+        }
+        if (dft && this->layers.empty()) {
+            throw std::invalid_argument("a drafter needs target feature layers");
+        }
+
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = n_batch;
+        cp.n_ubatch        = n_batch;
+        cp.n_threads       = n_threads;
+        cp.n_threads_batch = n_threads;
+        cp.no_perf         = true;
+        // the CPU flash-attention kernel rounds differently for one query than for a block of them
+        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        if (!this->layers.empty() && !layer_api) {
+            cp.cb_eval           = eval_cb;
+            cp.cb_eval_user_data = this;
+        }
+        take_log_tail();
+        ctx_tgt = llama_init_from_model(tgt.model, cp);
+        if (!ctx_tgt) {
+            fail("failed to create the target context");
+        }
+        this->n_ctx = (int) llama_n_ctx(ctx_tgt);
+        batch_tgt = llama_batch_ext_init(ctx_tgt);
+        if (layer_api) {
+            for (int lid : this->layers) {
+                llama_set_embeddings_layer_inp(ctx_tgt, (uint32_t) lid, true);
+            }
+        }
+
+        if (dft) {
+            llama_context_params dp = llama_context_default_params();
+            const std::string bs = dft->meta("dflash.block_size");
+            block_size = bs.empty() ? 16 : std::max(2, std::atoi(bs.c_str()));
+            dp.n_ctx           = this->n_ctx + block_size;  // the noise block reaches past the target's last position
+            dp.n_batch         = n_batch;
+            dp.n_ubatch        = n_batch;
+            dp.n_threads       = n_threads;
+            dp.n_threads_batch = n_threads;
+            dp.no_perf         = true;
+            dp.ctx_other       = ctx_tgt;
+            ctx_dft = llama_init_from_model(dft->model, dp);
+            if (!ctx_dft) {
+                free_all();
+                fail("failed to create the drafter context");
+            }
+            batch_dft = llama_batch_ext_init(ctx_dft);
+            llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
+            mask_token = llama_vocab_mask(dft->vocab);
+        }
+    }
+
+    ~Session() { free_all(); }
+    Session(const Session &) = delete;
+    Session & operator=(const Session &) = delete;
+
+    int n_past() const { return past; }
+    int context_size() const { return n_ctx; }
+    bool has_drafter() const { return ctx_dft != nullptr; }
+    bool uses_layer_api() const { return layer_api; }
+
+    // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
+    void set_capture(bool on) { capture = on; }
+
+    // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
+    void truncate(int n) {
+        if (n < 0 || n > past) {
+            throw std::out_of_range("truncate position outside the cached tokens");
+        }
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1)) {
+            fail("target KV cache could not drop tokens");
+        }
+        if (ctx_dft) {
+            llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1);
+        }
+        past = n;
+    }
+
+    // Decode tokens after the cached ones, feed their features to the drafter and sample the next token
+    // (generated token number `index`).
+    llama_token prefill(const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+        if (tokens.empty()) {
+            throw std::invalid_argument("prefill needs at least one token");
+        }
+        if (past + (int) tokens.size() >= n_ctx) {
+            throw std::length_error("prompt does not fit in the context");
+        }
+        check_tokens(tokens);
+        for (size_t off = 0; off < tokens.size(); off += n_batch) {
+            const size_t n = std::min<size_t>(n_batch, tokens.size() - off);
+            const bool last_chunk = off + n == tokens.size();
+            decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
+            if (ctx_dft && capture) {
+                inject(past, (int) n);
+            }
+            past += (int) n;
+        }
+        return sample_row(llama_get_logits_ith(ctx_tgt, -1), tgt.n_vocab(), s, index, cand);
+    }
+
+    // One speculative step. `last` is the newest token, not yet in the caches. `forced_draft`, when given,
+    // replaces the drafter's proposal (a scripted drafter for tests, or a drafter running outside llama.cpp).
+    StepResult step(llama_token last, int n_draft, const Sampling & s, uint64_t index,
+                    const std::vector<llama_token> * forced_draft, bool with_probs) {
+        const auto t_step = std::chrono::steady_clock::now();
+        StepResult r;
+        check_tokens({last});
+        if (past + 1 > n_ctx) {
+            throw std::length_error("context is full");
+        }
+        if (forced_draft) {
+            r.draft = *forced_draft;
+            check_tokens(r.draft);
+        } else if (ctx_dft && capture && n_draft > 0) {
+            n_draft = std::min(n_draft, block_size - 1);
+            const auto t0 = std::chrono::steady_clock::now();
+            draft_block(last, n_draft, with_probs, r);
+            r.draft_ms += ms_since(t0);
+        }
+        // never verify past the end of the context or the batch
+        const int room = std::min(n_ctx - past - 1, n_batch - 1);
+        if ((int) r.draft.size() > room) {
+            r.draft.resize(room);
+            r.draft_probs.resize(std::min<size_t>(r.draft_probs.size(), room));
+        }
+
+        std::vector<llama_token> block;
+        block.reserve(r.draft.size() + 1);
+        block.push_back(last);
+        block.insert(block.end(), r.draft.begin(), r.draft.end());
+
+        const auto t1 = std::chrono::steady_clock::now();
+        decode_target(block.data(), (int) block.size(), past, LogitsAll);
+        r.verify_ms = ms_since(t1);
+
+        // accept while the target's own choice equals the draft; the first disagreement is the target's token
+        const int n_vocab = tgt.n_vocab();
+        int a = 0;
+        for (;; ++a) {
+            const llama_token t = sample_row(llama_get_logits_ith(ctx_tgt, a), n_vocab, s, index + a, cand);
+            r.tokens.push_back(t);
+            if (a == (int) r.draft.size() || t != r.draft[a]) {
+                break;
+            }
+        }
+        r.n_accepted = a;
+
+        const int p0 = past;
+        past += a + 1;  // `last` and the accepted drafts are now in the target cache
+        if (a + 1 < (int) block.size() && !llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, past, -1)) {
+            fail("target KV cache could not drop rejected tokens");
+        }
+        if (ctx_dft && capture) {
+            const auto t2 = std::chrono::steady_clock::now();
+            inject(p0, a + 1);
+            r.draft_ms += ms_since(t2);
+        }
+        r.step_ms = ms_since(t_step);
+        return r;
+    }
+
+    // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
+    py::array_t<float> logits(int row) const {
+        const int n_vocab = tgt.n_vocab();
+        const float * src = llama_get_logits_ith(ctx_tgt, row);
+        if (!src) {
+            fail("no logits for row " + std::to_string(row));
+        }
+        py::array_t<float> out(n_vocab);
+        std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
+        return out;
+    }
+
+    // Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
+    py::array_t<float> features() const {
+        const size_t width = layers.size() * (size_t) n_embd;
+        py::array_t<float> out({(size_t) feat_rows, width});
+        std::memcpy(out.mutable_data(), feats.data(), (size_t) feat_rows * width * sizeof(float));
+        return out;
+    }
+
+private:
+    enum Logits { LogitsNone, LogitsLast, LogitsAll };
+
+    static constexpr int n_batch = 512;
+
+    Model & tgt;
+    Model * dft;
+    std::vector<int> layers;
+    bool layer_api;
+    bool capture = true;
+    llama_context * ctx_tgt = nullptr;
+    llama_context * ctx_dft = nullptr;
+    llama_batch_ext * batch_tgt = nullptr;
+    llama_batch_ext * batch_dft = nullptr;
+    llama_token mask_token = -1;
+    int block_size = 16;
+    int n_ctx = 0;
+    int n_embd = 0;
+    int past = 0;
+
+    std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
+    int feat_rows = 0;
+    std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
+    std::vector<std::pair<float, llama_token>> cand;
+
+    void free_all() {
+        if (batch_dft) llama_batch_ext_free(batch_dft);
+        if (ctx_dft) llama_free(ctx_dft);
+        if (batch_tgt) llama_batch_ext_free(batch_tgt);
+        if (ctx_tgt) llama_free(ctx_tgt);
+        batch_dft = batch_tgt = nullptr;
+        ctx_dft = ctx_tgt = nullptr;
+    }
+
+    void check_tokens(const std::vector<llama_token> & toks) const {
+        const int n_vocab = tgt.n_vocab();
+        for (llama_token t : toks) {
+            if (t < 0 || t >= n_vocab) {
+                throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary");
+            }
+        }
+    }
+
+    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits) {
+        const int32_t idx = llama_batch_ext_add_token(b, 0, t);
+        if (idx < 0) {
+            fail("could not add a token to the batch");
+        }
+        llama_batch_ext_set_pos(b, idx, &pos);
+        llama_batch_ext_set_output_logits(b, idx, logits);
+    }
+
+    void decode_target(const llama_token * toks, int n, int pos0, Logits logits) {
+        llama_batch_ext_clear(batch_tgt);
+        for (int i = 0; i < n; ++i) {
+            add_token(batch_tgt, toks[i], pos0 + i, logits == LogitsAll || (logits == LogitsLast && i == n - 1));
+        }
+        const size_t width = layers.size() * (size_t) n_embd;
+        feats.resize((size_t) n * width);
+        feat_rows = n;
+        rows_seen.assign(layers.size(), 0);
+        const int32_t rc = llama_process(ctx_tgt, LLAMA_PROCESS_TYPE_DECODE, batch_tgt);
+        if (rc != 0) {
+            fail("target decode failed (code " + std::to_string(rc) + ")");
+        }
+        llama_synchronize(ctx_tgt);
+        if (!capture || layers.empty()) {
+            feat_rows = 0;
+        } else if (layer_api) {
+            for (size_t k = 0; k < layers.size(); ++k) {
+                const float * src = llama_get_embeddings_layer_inp(ctx_tgt, (uint32_t) layers[k]);
+                for (int i = 0; i < n; ++i) {
+                    std::memcpy(&feats[i * width + k * n_embd], src + (size_t) i * n_embd, n_embd * sizeof(float));
+                }
+            }
+        } else {
+            for (size_t k = 0; k < layers.size(); ++k) {
+                if (rows_seen[k] != n) {
+                    fail("feature capture saw " + std::to_string(rows_seen[k]) + " of " + std::to_string(n) +
+                         " rows of layer " + std::to_string(layers[k]));
+                }
+            }
+        }
+    }
+
+    // Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1.
+    static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
+        auto * self = (Session *) user;
+        const char * name = ggml_get_name(t);
+        if (!self->capture || strncmp(name, "l_out-", 6) != 0) {
+            return ask ? false : true;
+        }
+        const int lid = atoi(name + 6) + 1;
+        const auto it = std::find(self->layers.begin(), self->layers.end(), lid);
+        if (it == self->layers.end()) {
+            return ask ? false : true;
+        }
+        if (ask) {
+            return true;
+        }
+        const size_t k = it - self->layers.begin();
+        const int n_embd = self->n_embd;
+        const int rows = (int) t->ne[1];
+        if (t->type != GGML_TYPE_F32 || t->ne[0] != n_embd || self->rows_seen[k] + rows > self->feat_rows) {
+            return true;  // not the tensor we expect: decode_target reports the missing rows
+        }
+        const size_t width = self->layers.size() * (size_t) n_embd;
+        std::vector<float> tmp((size_t) rows * n_embd);
+        ggml_backend_tensor_get(t, tmp.data(), 0, tmp.size() * sizeof(float));
+        for (int i = 0; i < rows; ++i) {
+            std::memcpy(&self->feats[(self->rows_seen[k] + i) * width + k * n_embd], &tmp[(size_t) i * n_embd],
+                        n_embd * sizeof(float));
+        }
+        self->rows_seen[k] += rows;
+        return true;
+    }
+
+    // Write the features of rows [0, n) of the last target decode into the drafter's cache at positions pos0...
+    void inject(int pos0, int n) {
+        // the previous noise block left its own K/V from pos0 on
+        llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, pos0, -1);
+        const size_t width = layers.size() * (size_t) n_embd;
+        llama_batch_ext_clear(batch_dft);
+        for (int i = 0; i < n; ++i) {
+            const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&feats[i * width], 1, width});
+            if (idx < 0) {
+                fail("drafter rejected the target features (width " + std::to_string(width) + ")");
+            }
+            const llama_pos pos[4] = {pos0 + i, pos0 + i, pos0 + i, 0};
+            llama_batch_ext_set_pos(batch_dft, idx, pos);
+            llama_batch_ext_set_output_logits(batch_dft, idx, false);
+        }
+        const int32_t rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch_dft);
+        if (rc != 0) {
+            fail("drafter feature injection failed (code " + std::to_string(rc) + ")");
+        }
+    }
+
+    // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
+    void draft_block(llama_token last, int n_draft, bool with_probs, StepResult & r) {
+        llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, past, -1);
+        llama_batch_ext_clear(batch_dft);
+        for (int i = 0; i <= n_draft; ++i) {
+            add_token(batch_dft, i == 0 ? last : mask_token, past + i, i > 0);
+        }
+        const int32_t rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch_dft);
+        if (rc != 0) {
+            fail("drafter decode failed (code " + std::to_string(rc) + ")");
+        }
+        const int n_vocab = tgt.n_vocab();
+        for (int i = 0; i < n_draft; ++i) {
+            const float * row = llama_get_logits_ith(ctx_dft, i + 1);
+            const llama_token t = argmax(row, n_vocab);
+            r.draft.push_back(t);
+            if (with_probs) {
+                const float lmax = row[t];
+                double z = 0.0;
+                for (int j = 0; j < n_vocab; ++j) {
+                    z += std::exp(row[j] - lmax);
+                }
+                r.draft_probs.push_back((float) (1.0 / z));
+            }
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "DFlash speculative decoding steps over llama.cpp";
+
+    // ggml's tiled CPU matmul takes over from 8 rows up and rounds differently from the one-row kernel, so a
+    // verify batch would not reproduce plain decoding bit for bit. It is read once, at the first matmul.
+    setenv("GGML_CPU_TILED_MM", "0", 0);
+    llama_log_set(log_cb, nullptr);
+    llama_backend_init();
+
+    m.def("set_verbose", [](bool v) {
+        std::lock_guard<std::mutex> lock(g_log_mutex);
+        g_verbose = v;
+    });
+    m.def("system_info", []() { return std::string(llama_print_system_info()); });
+    m.def("cpu_matmul_batch_invariant", []() {
+        const char * tiled = getenv("GGML_CPU_TILED_MM");
+        const bool llamafile = std::string(llama_print_system_info()).find("LLAMAFILE = 1") != std::string::npos;
+        return tiled && std::string(tiled) == "0" && !llamafile;
+    }, "Whether CPU matmuls give a verify-batch row the same bits as a single-token decode.");
+    m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
+    m.def("arch_records_layer_inputs", &arch_records_layer_inputs);
+
+    py::class_<Sampling>(m, "Sampling")
+        .def(py::init([](float temperature, int top_k, float top_p, float min_p, uint64_t seed) {
+                 return Sampling{temperature, top_k, top_p, min_p, seed};
+             }),
+             py::arg("temperature") = 0.0f, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
+             py::arg("seed") = 0)
+        .def_readonly("temperature", &Sampling::temperature)
+        .def_readonly("top_k", &Sampling::top_k)
+        .def_readonly("top_p", &Sampling::top_p)
+        .def_readonly("min_p", &Sampling::min_p)
+        .def_readonly("seed", &Sampling::seed);
+
+    m.def("sample", [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const Sampling & s,
+                       uint64_t index) {
+        std::vector<std::pair<float, llama_token>> cand;
+        return sample_row(logits.data(), (int) logits.size(), s, index, cand);
+    }, "Sample one token from a logits row exactly as the native step does.");
+
+    py::class_<Model>(m, "Model")
+        .def(py::init<const std::string &, int, bool>(), py::arg("path"), py::arg("n_gpu_layers") = 0,
+             py::arg("repack") = false,
+             py::call_guard<py::gil_scoped_release>())
+        .def("meta", &Model::meta)
+        .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
+             py::arg("parse_special") = false)
+        .def("piece", &Model::piece)
+        .def("is_eog", [](const Model & mm, llama_token t) { return llama_vocab_is_eog(mm.vocab, t); })
+        .def_property_readonly("arch", &Model::arch)
+        .def_property_readonly("n_vocab", &Model::n_vocab)
+        .def_property_readonly("n_embd", [](const Model & mm) { return llama_model_n_embd(mm.model); })
+        .def_property_readonly("n_layer", [](const Model & mm) { return llama_model_n_layer(mm.model); })
+        .def_property_readonly("n_ctx_train", [](const Model & mm) { return llama_model_n_ctx_train(mm.model); })
+        .def_property_readonly("bos", [](const Model & mm) { return llama_vocab_bos(mm.vocab); })
+        .def_property_readonly("eos", [](const Model & mm) { return llama_vocab_eos(mm.vocab); })
+        .def_property_readonly("mask", [](const Model & mm) { return llama_vocab_mask(mm.vocab); })
+        .def_property_readonly("size", [](const Model & mm) { return llama_model_size(mm.model); })
+        .def_property_readonly("desc", [](const Model & mm) {
+            char buf[256];
+            llama_model_desc(mm.model, buf, sizeof(buf));
+            return std::string(buf);
+        });
+
+    py::class_<StepResult>(m, "StepResult")
+        .def_readonly("tokens", &StepResult::tokens)
+        .def_readonly("draft", &StepResult::draft)
+        .def_readonly("draft_probs", &StepResult::draft_probs)
+        .def_readonly("n_accepted", &StepResult::n_accepted)
+        .def_readonly("draft_ms", &StepResult::draft_ms)
+        .def_readonly("verify_ms", &StepResult::verify_ms)
+        .def_readonly("step_ms", &StepResult::step_ms);
+
+    py::class_<Session>(m, "Session")
+        .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
+                         bool use_layer_api, bool flash_attn) {
+                 return new Session(target, drafter, std::move(layers), n_ctx, n_threads, use_layer_api, flash_attn);
+             }),
+             py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
+             py::arg("use_layer_api"), py::arg("flash_attn") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+             py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("n_past", &Session::n_past)
+        .def_property_readonly("n_ctx", &Session::context_size)
+        .def_property_readonly("has_drafter", &Session::has_drafter)
+        .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
+        .def("set_capture", &Session::set_capture)
+        .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
+        .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampling"), py::arg("index"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("step",
+             [](Session & self, llama_token last, int n_draft, const Sampling & s, uint64_t index,
+                std::optional<std::vector<llama_token>> forced, bool with_probs) {
+                 py::gil_scoped_release release;
+                 return self.step(last, n_draft, s, index, forced ? &*forced : nullptr, with_probs);
+             },
+             py::arg("last"), py::arg("n_draft"), py::arg("sampling"), py::arg("index"),
+             py::arg("forced_draft") = py::none(), py::arg("with_probs") = false)
+        .def("features", &Session::features)
+        .def("logits", &Session::logits);
+}

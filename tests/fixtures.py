@@ -1,0 +1,338 @@
+"""Deterministic tiny GGUF models for tests: a qwen3 target and a dflash drafter.
+
+Pure python + numpy + gguf. Run `python tests/fixtures.py OUTDIR` to write
+OUTDIR/tiny-target.gguf and OUTDIR/tiny-drafter.gguf.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from dflash_local.gguf_file import ArrayInfo, read_gguf
+
+VOCAB_SIZE = 512  # upper bound; the corpus runs out of repeated pairs a bit earlier
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+RMS_EPS = 1e-6
+ROPE_BASE = 10000.0
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Small mixed English + code corpus; only used to learn BPE merges.
+CORPUS = """
+The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox
+ran back into the forest where the other animals were waiting for the evening.
+Speculative decoding is a way to make language models generate text faster. A small
+draft model proposes several tokens, and the large target model verifies them in a
+single forward pass. When the draft is right, many tokens are accepted at once; when
+it is wrong, the target model keeps the correct prefix and the generation continues.
+This is the same output that the target model would produce on its own, only faster.
+Hello world! Hello there, how are you today? I am fine, thank you. What is the time?
+It is ten past three in the afternoon, and the weather is warm and sunny outside.
+Please write a function that returns the sum of a list of numbers. Then test it.
+The user asked the assistant to explain the code, and the assistant explained it.
+
+def add(a, b):
+    return a + b
+
+
+def total(values):
+    result = 0
+    for value in values:
+        result = result + value
+    return result
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.count = start
+
+    def increment(self, step=1):
+        self.count += step
+        return self.count
+
+
+if __name__ == "__main__":
+    numbers = [1, 2, 3, 4, 5]
+    print("total:", total(numbers))
+    print("add:", add(2, 3))
+    for i in range(10):
+        if i % 2 == 0:
+            print(i, "is even")
+        else:
+            print(i, "is odd")
+
+import os
+import sys
+
+def read_file(path):
+    with open(path, "r", encoding="utf-8") as f:
+        return f.read()
+
+def write_file(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+The model reads the input text, splits it into tokens, and then predicts the next
+token again and again until it reaches the end of the text or the end token.
+Tokens are pieces of words: common words become a single token, while rare words are
+split into several smaller pieces that the model has seen before during training.
+"""
+
+# Close to llama.cpp's "qwen2" pre-tokenizer regex, using only the stdlib `re`
+# (letters = [^\W\d_]). Exactness doesn't matter: merges only need to be plausible.
+_PRETOKENIZE = re.compile(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\w]?[^\W\d_]+|\d| ?[^\s\w]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2 byte->char table: printable bytes map to themselves, the rest to 256+n."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def _train_bpe(text: str, n_merges: int) -> list[tuple[str, str]]:
+    """Greedy BPE over pre-tokenized words; ties broken by pair order for determinism."""
+    b2u = _bytes_to_unicode()
+    words = Counter(tuple(b2u[b] for b in w.encode("utf-8")) for w in _PRETOKENIZE.findall(text))
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges:
+        pairs: Counter = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        if pairs[best] < 2:
+            break
+        merges.append(best)
+        merged: Counter = Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    return merges
+
+
+def build_tokenizer() -> dict:
+    """Token list, types, merges and special ids of the tiny byte-level BPE vocab."""
+    tokens = _bytes_to_unicode()  # id == byte value
+    merges = _train_bpe(CORPUS, VOCAB_SIZE - 256 - len(SPECIAL_TOKENS))
+    seen = set(tokens)
+    for a, b in merges:
+        if a + b not in seen:  # two merge paths can spell the same string
+            seen.add(a + b)
+            tokens.append(a + b)
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    special = {}
+    for s in SPECIAL_TOKENS:
+        special[s] = len(tokens)
+        tokens.append(s)
+        types.append(gguf.TokenType.CONTROL)
+    return {
+        "tokens": tokens,
+        "types": [int(t) for t in types],
+        "merges": [f"{a} {b}" for a, b in merges],
+        "special": special,
+    }
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, tok: dict) -> None:
+    sp = tok["special"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")  # qwen2 keeps clean_spaces off, so detokenize is exact
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(sp["<|endoftext|>"])
+    w.add_eos_token_id(sp["<|endoftext|>"])
+    w.add_eot_token_id(sp["<|im_end|>"])
+    w.add_pad_token_id(sp["<|endoftext|>"])
+    w.add_mask_token_id(sp["<|mask|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+
+def _write_atomic(path: Path, arch: str, fill) -> Path:
+    """Build a GGUF via fill(writer) into a temp file next to path, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        fill(w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give normal file permissions
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+class _Init:
+    """Seeded weight factory. Arrays are numpy (out, in) == ggml ne {in, out}."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def linear(self, n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (self.rng.standard_normal((n_out, n_in)) * gain / np.sqrt(n_in)).astype(np.float32)
+
+    def norm(self, n: int) -> np.ndarray:
+        # near 1 so norms are not all identical, which would hide layout bugs
+        return (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32)
+
+
+def _add_layer(w, init: _Init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain):
+    p = f"blk.{i}."
+    w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
+    w.add_tensor(p + "attn_q.weight", init.linear(n_head * head_dim, n_embd))
+    w.add_tensor(p + "attn_k.weight", init.linear(n_head_kv * head_dim, n_embd))
+    w.add_tensor(p + "attn_v.weight", init.linear(n_head_kv * head_dim, n_embd))
+    w.add_tensor(p + "attn_output.weight", init.linear(n_embd, n_head * head_dim, gain))
+    w.add_tensor(p + "attn_q_norm.weight", init.norm(head_dim))
+    w.add_tensor(p + "attn_k_norm.weight", init.norm(head_dim))
+    w.add_tensor(p + "ffn_norm.weight", init.norm(n_embd))
+    w.add_tensor(p + "ffn_gate.weight", init.linear(n_ff, n_embd))
+    w.add_tensor(p + "ffn_up.weight", init.linear(n_ff, n_embd))
+    w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff, gain))
+
+
+def _add_hparams(w, *, n_ctx, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim):
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(ROPE_BASE)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
+                      head_dim=16, n_ff=128, n_ctx_train=2048) -> Path:
+    """Random-weight qwen3 model with a real tiny BPE tokenizer."""
+    tok = build_tokenizer()
+    n_vocab = len(tok["tokens"])
+    init = _Init(seed)
+
+    def fill(w):
+        w.add_name("tiny-target")
+        _add_hparams(w, n_ctx=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
+                     n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
+        _add_tokenizer(w, tok)
+        # Unit-variance embeddings and strong residual branches keep the random model
+        # chaotic enough that greedy decoding does not lock onto one token at once.
+        w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+        for i in range(n_layer):
+            _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=2.0)
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+        # separate (untied) head: a tied head mostly predicts the input token again
+        w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
+
+    return _write_atomic(path, "qwen3", fill)
+
+
+def _read_target(target_path):
+    """The target's tokenizer.* KVs (value, type, array subtype) and a few hparams."""
+    info = read_gguf(target_path, full_arrays="tokenizer.")
+    out = []
+    for name, value in info.kv.items():
+        if name.startswith("tokenizer."):
+            vtype = gguf.GGUFValueType(info.types[name])
+            if isinstance(value, ArrayInfo):
+                out.append((name, value.values, vtype, gguf.GGUFValueType(value.type)))
+            else:
+                out.append((name, value, vtype, None))
+    return out, info.get("embedding_length"), info.get("context_length"), info.get("block_count")
+
+
+def write_tiny_drafter(path, target_path, *, seed=1, n_layer=1, target_layers=(2, 3),
+                       block_size=8, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
+                       mask_token_id=None, embedding_scale=None, n_embd=None, n_vocab_tokens=None) -> Path:
+    """Random-weight dflash drafter for the target at target_path.
+
+    No token_embd/output: llama.cpp shares the target's through ctx_other, so
+    n_embd must equal the target's. target_layers are target layer-INPUT indices.
+    Targets without a mask token (gemma) get `mask_token_id` set in the drafter's copy of the tokenizer.
+    `n_embd` and `n_vocab_tokens` override what is copied, to build deliberately mismatched drafters.
+    """
+    tok_kv, tgt_embd, n_ctx, _ = _read_target(target_path)
+    n_embd = n_embd or tgt_embd
+    if mask_token_id is not None:
+        tok_kv = [kv for kv in tok_kv if kv[0] != "tokenizer.ggml.mask_token_id"]
+        tok_kv.append(("tokenizer.ggml.mask_token_id", mask_token_id, gguf.GGUFValueType.UINT32, None))
+    if n_vocab_tokens is not None:
+        tok_kv = [(k, v[:n_vocab_tokens] if isinstance(v, list) else v, t, sub) for k, v, t, sub in tok_kv]
+    init = _Init(seed)
+
+    def fill(w):
+        w.add_name("tiny-drafter")
+        _add_hparams(w, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
+                     n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
+        w.add_key_value("dflash.target_layers", [int(t) for t in target_layers],
+                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+        w.add_uint32("dflash.block_size", block_size)
+        # read by common/speculative.cpp (string "true"/"false"); DFlash blocks are bidirectional
+        w.add_bool("dflash.attention.causal", False)
+        if embedding_scale is not None:
+            w.add_float32("dflash.embedding_scale", embedding_scale)
+        for name, value, vtype, sub in tok_kv:
+            w.add_key_value(name, value, vtype, sub)
+        w.add_tensor("fc.weight", init.linear(n_embd, len(target_layers) * n_embd))
+        w.add_tensor("enc.output_norm.weight", init.norm(n_embd))
+        for i in range(n_layer):
+            _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=1.0)
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+
+    return _write_atomic(path, "dflash", fill)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/fixtures.py OUTDIR")
+    out = Path(sys.argv[1])
+    tgt = write_tiny_target(out / "tiny-target.gguf")
+    dft = write_tiny_drafter(out / "tiny-drafter.gguf", tgt)
+    print(tgt)
+    print(dft)
