@@ -113,6 +113,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_init_drafter(args) -> int:
+    from .convert.init_drafter import init_drafter
+    from .models import default_target
+
+    out = init_drafter(
+        args.output,
+        args.target or default_target(),
+        n_layer=args.layers,
+        n_target_layers=args.target_layers,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-local", description="DFlash speculative decoding for GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
+    d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
+    d.add_argument("-o", "--output", required=True, help="drafter GGUF to write")
+    d.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
+    d.add_argument("--target-layers", type=int, help="how many target layers feed it (default: --layers)")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_init_drafter)
 
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install dflash-local into it, with llama-cpp-python built for this machine.
+# Create .venv and install dflash-local into it, with llama.cpp (llama-cpp-python 0.3.36) built for this machine.
 # GPU users: export CMAKE_ARGS="-DGGML_CUDA=on" (or -DGGML_METAL=on) before running this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,9 +7,27 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# llama-cpp-python builds llama.cpp from source (about 8 minutes on 2 cores; pip caches the wheel afterwards).
-echo "installing llama-cpp-python==0.3.36 (builds llama.cpp from source on first install)..."
-python -m pip install -q "llama-cpp-python==0.3.36" "scikit-build-core>=0.10" "pybind11>=2.12"
+python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
+
+# llama.cpp is built without llamafile's sgemm: it rounds a verify batch differently from a single-token decode,
+# which would break bit-exact greedy verification on CPUs (README, "Lossless"). The wheel is kept in .wheels/.
+LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF ${CMAKE_ARGS:-}"
+if ! python - <<'PY' 2>/dev/null
+import sys, llama_cpp
+ok = llama_cpp.__version__ == "0.3.36" and b"LLAMAFILE = 1" not in llama_cpp.llama_print_system_info()
+sys.exit(0 if ok else 1)
+PY
+then
+    key=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-12)
+    wheels=".wheels/llama-$key"
+    if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+        echo "building llama-cpp-python 0.3.36 from source with CMAKE_ARGS='$LLAMA_CMAKE_ARGS' (about 8 minutes on 2 cores)..."
+        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" python -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
+            "llama-cpp-python==0.3.36" -w "$wheels"
+    fi
+    python -m pip install -q --force-reinstall --no-deps "$wheels"/llama_cpp_python-0.3.36-*.whl
+fi
+
 # the native extension compiles against the llama.cpp just installed, so no isolated build environment
 echo "building dflash-local..."
 python -m pip install -q --no-build-isolation ".[${EXTRAS:-test}]"

@@ -1,13 +1,11 @@
-import math
 import random
 
 import pytest
 from fixtures import write_tiny_drafter, write_tiny_target
 
 from dflash_local import Engine
+from dflash_local.convert.init_drafter import init_drafter
 from dflash_local.models import default_target
-
-GEMMA_MASK_TOKEN = 4  # "<mask>" in gemma's vocabulary
 
 _WORDS = (
     "the a river code function model token fast slow cat dog write read list sum value "
@@ -59,17 +57,8 @@ def gemma_target():
 @pytest.fixture(scope="session")
 def gemma_drafter(models_dir, gemma_target):
     # an untrained drafter shaped like a small DFlash drafter for gemma-3-270m (hidden 640, 18 layers)
-    return write_tiny_drafter(
-        models_dir / "gemma-drafter.gguf",
-        gemma_target,
-        target_layers=(2, 9, 16),
-        block_size=4,
-        n_head=4,
-        n_head_kv=2,
-        head_dim=64,
-        n_ff=512,
-        mask_token_id=GEMMA_MASK_TOKEN,
-        embedding_scale=math.sqrt(640),
+    return init_drafter(
+        models_dir / "gemma-drafter.gguf", gemma_target, n_target_layers=3, block_size=4, head_dim=64, n_ff=512
     )
 
 

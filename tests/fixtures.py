@@ -6,17 +6,15 @@ OUTDIR/tiny-target.gguf and OUTDIR/tiny-drafter.gguf.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from dflash_local.gguf_file import ArrayInfo, read_gguf
+from dflash_local.convert.init_drafter import init_drafter, write_gguf_atomic
 
 VOCAB_SIZE = 512  # upper bound; the corpus runs out of repeated pairs a bit earlier
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -143,10 +141,10 @@ def _train_bpe(text: str, n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer() -> dict:
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> dict:
     """Token list, types, merges and special ids of the tiny byte-level BPE vocab."""
     tokens = _bytes_to_unicode()  # id == byte value
-    merges = _train_bpe(CORPUS, VOCAB_SIZE - 256 - len(SPECIAL_TOKENS))
+    merges = _train_bpe(CORPUS, vocab_size - 256 - len(SPECIAL_TOKENS))
     seen = set(tokens)
     for a, b in merges:
         if a + b not in seen:  # two merge paths can spell the same string
@@ -180,30 +178,6 @@ def _add_tokenizer(w: gguf.GGUFWriter, tok: dict) -> None:
     w.add_mask_token_id(sp["<|mask|>"])
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
-
-
-def _write_atomic(path: Path, arch: str, fill) -> Path:
-    """Build a GGUF via fill(writer) into a temp file next to path, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, arch)
-        fill(w)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give normal file permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 class _Init:
@@ -250,9 +224,9 @@ def _add_hparams(w, *, n_ctx, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim
 
 
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
-                      head_dim=16, n_ff=128, n_ctx_train=2048) -> Path:
+                      head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE) -> Path:
     """Random-weight qwen3 model with a real tiny BPE tokenizer."""
-    tok = build_tokenizer()
+    tok = build_tokenizer(vocab_size)
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
 
@@ -270,62 +244,13 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         # separate (untied) head: a tied head mostly predicts the input token again
         w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
 
-    return _write_atomic(path, "qwen3", fill)
+    return write_gguf_atomic(path, "qwen3", fill)
 
 
-def _read_target(target_path):
-    """The target's tokenizer.* KVs (value, type, array subtype) and a few hparams."""
-    info = read_gguf(target_path, full_arrays="tokenizer.")
-    out = []
-    for name, value in info.kv.items():
-        if name.startswith("tokenizer."):
-            vtype = gguf.GGUFValueType(info.types[name])
-            if isinstance(value, ArrayInfo):
-                out.append((name, value.values, vtype, gguf.GGUFValueType(value.type)))
-            else:
-                out.append((name, value, vtype, None))
-    return out, info.get("embedding_length"), info.get("context_length"), info.get("block_count")
-
-
-def write_tiny_drafter(path, target_path, *, seed=1, n_layer=1, target_layers=(2, 3),
-                       block_size=8, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
-                       mask_token_id=None, embedding_scale=None, n_embd=None, n_vocab_tokens=None) -> Path:
-    """Random-weight dflash drafter for the target at target_path.
-
-    No token_embd/output: llama.cpp shares the target's through ctx_other, so
-    n_embd must equal the target's. target_layers are target layer-INPUT indices.
-    Targets without a mask token (gemma) get `mask_token_id` set in the drafter's copy of the tokenizer.
-    `n_embd` and `n_vocab_tokens` override what is copied, to build deliberately mismatched drafters.
-    """
-    tok_kv, tgt_embd, n_ctx, _ = _read_target(target_path)
-    n_embd = n_embd or tgt_embd
-    if mask_token_id is not None:
-        tok_kv = [kv for kv in tok_kv if kv[0] != "tokenizer.ggml.mask_token_id"]
-        tok_kv.append(("tokenizer.ggml.mask_token_id", mask_token_id, gguf.GGUFValueType.UINT32, None))
-    if n_vocab_tokens is not None:
-        tok_kv = [(k, v[:n_vocab_tokens] if isinstance(v, list) else v, t, sub) for k, v, t, sub in tok_kv]
-    init = _Init(seed)
-
-    def fill(w):
-        w.add_name("tiny-drafter")
-        _add_hparams(w, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
-                     n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
-        w.add_key_value("dflash.target_layers", [int(t) for t in target_layers],
-                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-        w.add_uint32("dflash.block_size", block_size)
-        # read by common/speculative.cpp (string "true"/"false"); DFlash blocks are bidirectional
-        w.add_bool("dflash.attention.causal", False)
-        if embedding_scale is not None:
-            w.add_float32("dflash.embedding_scale", embedding_scale)
-        for name, value, vtype, sub in tok_kv:
-            w.add_key_value(name, value, vtype, sub)
-        w.add_tensor("fc.weight", init.linear(n_embd, len(target_layers) * n_embd))
-        w.add_tensor("enc.output_norm.weight", init.norm(n_embd))
-        for i in range(n_layer):
-            _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=1.0)
-        w.add_tensor("output_norm.weight", init.norm(n_embd))
-
-    return _write_atomic(path, "dflash", fill)
+def write_tiny_drafter(path, target_path, *, target_layers=(2, 3), block_size=8, **kw) -> Path:
+    """A tiny DFlash drafter for the target, written by the product's own initialiser."""
+    return init_drafter(path, target_path, target_layers=list(target_layers), block_size=block_size,
+                        n_head=4, n_head_kv=2, head_dim=16, n_ff=128, seed=1, **kw)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from fixtures import write_tiny_drafter
+import numpy as np
+from fixtures import write_tiny_drafter, write_tiny_target
 
 from dflash_local import Engine
 from dflash_local.gguf_file import GGUFError, read_gguf
@@ -21,19 +22,44 @@ def test_reader_sees_what_the_writer_wrote(tiny_target, tiny_drafter):
     assert d.tensors["fc.weight"].shape == (2 * 64, 64)
 
 
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        (dict(target_layers=(2, 4)), "do not exist"),
-        (dict(target_layers=(0, 2)), "do not exist"),
-        (dict(n_embd=32), "hidden size"),
-        (dict(n_vocab_tokens=400), "vocabulary"),
-    ],
-)
-def test_mismatched_drafter_is_refused(tmp_path, tiny_target, kwargs, message):
-    bad = write_tiny_drafter(tmp_path / "bad.gguf", tiny_target, **kwargs)
-    with pytest.raises(PairError, match=message):
+def test_drafter_for_a_deeper_target_is_refused(tmp_path, tiny_target):
+    deep = write_tiny_target(tmp_path / "deep.gguf", n_layer=6)
+    bad = write_tiny_drafter(tmp_path / "bad.gguf", deep, target_layers=(2, 5))
+    with pytest.raises(PairError, match="do not exist"):
         Engine(tiny_target, bad)
+
+
+def test_layer_zero_is_refused(tmp_path, tiny_target, tiny_drafter):
+    # layer input 0 is the embedding output, which neither capture path provides
+    with pytest.raises(PairError, match="do not exist"):
+        Engine(tiny_target, _with_layers(tmp_path, tiny_drafter, (0, 3)))
+
+
+def test_drafter_for_another_hidden_size_is_refused(tmp_path, tiny_target):
+    narrow = write_tiny_target(tmp_path / "narrow.gguf", n_embd=32)
+    bad = write_tiny_drafter(tmp_path / "bad.gguf", narrow)
+    with pytest.raises(PairError, match="hidden size"):
+        Engine(tiny_target, bad)
+
+
+def test_drafter_for_another_vocabulary_is_refused(tmp_path, tiny_target):
+    other = write_tiny_target(tmp_path / "other.gguf", vocab_size=400)
+    bad = write_tiny_drafter(tmp_path / "bad.gguf", other)
+    with pytest.raises(PairError, match="vocabulary"):
+        Engine(tiny_target, bad)
+
+
+def _with_layers(tmp_path, drafter, layers):
+    """Copy a drafter GGUF with its dflash.target_layers replaced (same-length list, so offsets hold)."""
+    info = read_gguf(drafter)
+    data = bytearray(drafter.read_bytes())
+    old = np.array(info.get("target_layers").values, dtype="<i4").tobytes()
+    i = data.index(b"dflash.target_layers") + len(b"dflash.target_layers") + 4 + 4 + 8
+    assert data[i : i + len(old)] == old
+    data[i : i + len(old)] = np.array(layers, dtype="<i4").tobytes()
+    out = tmp_path / "edited.gguf"
+    out.write_bytes(bytes(data))
+    return out
 
 
 def test_drafter_for_another_tokenizer_is_refused(tmp_path, tiny_drafter, gemma_target):
@@ -71,7 +97,8 @@ def test_corrupt_and_truncated_files(tmp_path, tiny_target, tiny_drafter):
 
 
 def test_bad_drafter_from_the_cli_is_an_error_not_a_crash(tmp_path, tiny_target):
-    bad = write_tiny_drafter(tmp_path / "deep.gguf", tiny_target, target_layers=(2, 7))
+    deep = write_tiny_target(tmp_path / "deep.gguf", n_layer=8)
+    bad = write_tiny_drafter(tmp_path / "bad.gguf", deep, target_layers=(2, 7))
     r = subprocess.run(
         [sys.executable, "-m", "dflash_local", "generate", "-m", str(tiny_target), "-d", str(bad), "-p", "hi"],
         capture_output=True,
