@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .gguf_file import GGUFError
@@ -113,6 +114,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from .models import default_target
+    from .server import serve
+
+    if args.model is None:
+        args.model = str(default_target())
+    alias = args.alias or Path(args.model).stem
+    return serve(args, lambda: _load_engine(args), alias)
+
+
 def cmd_init_drafter(args) -> int:
     from .convert.init_drafter import init_drafter
     from .models import default_target
@@ -147,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"), help="require this key (Bearer or x-api-key)")
+    s.add_argument("--alias", help="model name clients use (default: the target file's name)")
+    s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
     d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")

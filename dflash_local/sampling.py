@@ -24,7 +24,7 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature must be between 0 and 100, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

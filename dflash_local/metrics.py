@@ -1,0 +1,53 @@
+"""Server counters in Prometheus' text exposition format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .stats import Summary
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    cancelled: int = 0  # requests whose client went away before the end
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    drafts: int = 0  # verify steps that had a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per block position
+
+    def add(self, s: Summary, seconds: float) -> None:
+        self.requests += 1
+        self.prompt_tokens += s.n_prompt
+        self.generated_tokens += s.n_generated
+        self.seconds += seconds
+        if s.drafting:
+            self.drafts += s.steps
+        self.draft_tokens += s.n_drafted
+        self.accepted_tokens += s.n_accepted
+        if len(self.accepted_at) < len(s.accepted_at):
+            self.accepted_at += [0] * (len(s.accepted_at) - len(self.accepted_at))
+        for k, n in enumerate(s.accepted_at):
+            self.accepted_at[k] += n
+
+    def render(self) -> str:
+        rows = [
+            ("requests_total", "Completed generation requests.", self.requests),
+            ("cancelled_requests_total", "Requests stopped because the client went away.", self.cancelled),
+            ("prompt_tokens_total", "Prompt tokens of completed requests.", self.prompt_tokens),
+            ("generated_tokens_total", "Generated tokens.", self.generated_tokens),
+            ("generation_seconds_total", "Wall time spent generating.", round(self.seconds, 6)),
+            ("drafts_total", "Verify steps that checked a draft.", self.drafts),
+            ("draft_tokens_total", "Tokens proposed by the drafter.", self.draft_tokens),
+            ("accepted_tokens_total", "Drafted tokens accepted by the target.", self.accepted_tokens),
+        ]
+        out = []
+        for name, help_, value in rows:
+            out += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} counter", f"dflash_{name} {value}"]
+        name = "dflash_accepted_tokens_by_position_total"
+        out += [f"# HELP {name} Accepted drafted tokens per block position (1 = first draft).", f"# TYPE {name} counter"]
+        out += [f'{name}{{position="{k + 1}"}} {n}' for k, n in enumerate(self.accepted_at)]
+        return "\n".join(out) + "\n"

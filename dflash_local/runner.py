@@ -1,0 +1,83 @@
+"""Runs engine generations one at a time, in a worker thread, for asyncio callers (the server).
+
+Requests wait in a bounded FIFO queue; the running one is never interrupted by others. A caller that goes away sets
+its job's cancel flag, and the worker stops at the end of the current native step and frees the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from .engine import Engine
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+_DONE = object()
+
+
+class Job:
+    def __init__(self):
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    async def next(self, timeout: float | None = None):
+        """The next engine event; None at the end; raises what the engine raised; TimeoutError on timeout."""
+        ev = await asyncio.wait_for(self.events.get(), timeout)
+        if ev is _DONE:
+            return None
+        if isinstance(ev, BaseException):
+            raise ev
+        return ev
+
+
+class Runner:
+    def __init__(self, engine: Engine, max_queue: int = 32):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.waiting = 0
+        self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order
+
+    def submit(self, **generate_kwargs) -> Job:
+        if self.waiting >= self.max_queue:
+            raise QueueFullError(f"{self.waiting} requests are already waiting")
+        job = Job()
+        self.waiting += 1
+        asyncio.get_running_loop().create_task(self._run(job, generate_kwargs))
+        return job
+
+    async def _run(self, job: Job, kwargs: dict) -> None:
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        if job.cancel.is_set():  # gave up while waiting
+            self._lock.release()
+            job.events.put_nowait(_DONE)
+            return
+        loop = asyncio.get_running_loop()
+
+        def put(ev):
+            loop.call_soon_threadsafe(job.events.put_nowait, ev)
+
+        def work():
+            try:
+                gen = self.engine.generate(**kwargs)
+                try:
+                    for ev in gen:
+                        put(ev)
+                        if job.cancel.is_set():
+                            break
+                finally:
+                    gen.close()
+            except Exception as e:  # reported to the caller, who turns it into an HTTP error
+                put(e)
+            finally:
+                put(_DONE)
+                # the engine is free only now: the next request starts after this one has really stopped
+                loop.call_soon_threadsafe(self._lock.release)
+
+        threading.Thread(target=work, name="dflash-generate", daemon=True).start()

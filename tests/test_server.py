@@ -1,0 +1,361 @@
+"""The OpenAI-compatible server, as a real HTTP server on 127.0.0.1 with the tiny fixture pair."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import make_prompts
+
+from dflash_local import Engine
+from dflash_local.server import create_app
+
+KEY = "sk-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving an app on 127.0.0.1 in a background thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            if httpx.get(self.url + "/health").status_code == 200:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("server never became healthy")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_drafter):
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    s = ServerThread(create_app(lambda: engine, "tiny", api_key=KEY, max_queue=20))
+    s.wait_healthy()
+    s.engine = engine
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, tiny_drafter):
+    """A separate engine on the same files, to compute the expected greedy outputs."""
+    return Engine(tiny_target, tiny_drafter, n_ctx=1024)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def auth(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_models_lists_the_alias(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_completion_with_the_openai_client(client, reference):
+    msgs = [{"role": "user", "content": "Hello there"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0)
+    want = reference.complete(messages=msgs, max_tokens=20)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == want.summary.n_prompt
+    timings = r.model_extra["timings"]
+    assert timings["predicted_n"] == 20 and timings["draft_n"] > 0
+    assert {"prompt_n", "prompt_ms", "predicted_ms", "predicted_per_second", "draft_n_accepted",
+            "mean_acceptance_length"} <= set(timings)
+
+
+def test_chat_stream_with_usage(client, reference):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    want = reference.complete(messages=msgs, max_tokens=24)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    n = len(want.token_ids)
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1
+    assert finishing[0].choices[0].finish_reason == ("length" if want.summary.finish_reason == "length" else "stop")
+    assert finishing[0].model_extra["timings"]["predicted_n"] == n
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_stream_and_not(client, reference):
+    want = reference.complete("The quick brown fox", max_tokens=16)
+    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=16, temperature=0)
+    assert r.choices[0].text == want.text and r.object == "text_completion"
+    chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=16,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked
+
+
+def test_stop_and_sampling_fields_are_honoured(client, reference):
+    kw = dict(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    want = reference.complete("Hello", top_k=5, min_p=0.05, **kw)
+    r = client.completions.create(model="tiny", prompt="Hello", extra_body={"top_k": 5, "min_p": 0.05}, **kw)
+    assert r.choices[0].text == want.text
+    stop = want.text[5:8]
+    r = client.completions.create(model="tiny", prompt="Hello", stop=[stop], extra_body={"top_k": 5, "min_p": 0.05},
+                                  **kw)
+    assert r.choices[0].text == want.text[: want.text.find(stop)] and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+def test_sse_framing(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    events = [f for f in frames[:-2] if not f.startswith(":")]
+    assert all(f.startswith("data: ") and "\n" not in f for f in events)
+    assert "\nid:" not in "\n" + raw and "\nevent:" not in "\n" + raw
+    objs = [json.loads(f[6:]) for f in events]
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [o["choices"][0]["finish_reason"] for o in objs[:-1]].count("length") == 1
+    assert objs[-2]["choices"][0]["finish_reason"] == "length" and "timings" in objs[-2]
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, 404, "model"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "messages"),
+    ],
+)
+def test_bad_requests_get_openai_error_bodies(server, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth())
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert param in (err["param"] or "")
+
+
+def test_malformed_json_and_unknown_fields(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', headers=auth() | {
+        "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    body = {"messages": [{"role": "user", "content": "hi", "name": "x"}], "max_tokens": 2, "frequency_penalty": 0,
+            "logit_bias": {}, "user": "u", "whatever": [1, 2]}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth()).status_code == 200
+
+
+def test_prompt_beyond_the_context(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 2000, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_api_keys(server):
+    url = server.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers=auth("wrong")).status_code == 401
+    assert httpx.get(url, headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(url, headers=auth()).status_code == 200
+    assert httpx.get(url, headers=auth("wrong")).json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+
+
+def test_no_key_configured_accepts_any(tiny_target):
+    engine = Engine(tiny_target, n_ctx=256)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        assert httpx.get(s.url + "/v1/models").status_code == 200
+        assert httpx.get(s.url + "/v1/models", headers=auth("anything")).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_cors_preflight(server):
+    r = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://localhost:1337", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] in ("*", "http://localhost:1337")
+
+
+def test_health_is_503_while_loading(tiny_target):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return Engine(tiny_target, n_ctx=256)
+
+    s = ServerThread(create_app(slow_load, "tiny"))
+    try:
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        gate.set()
+        s.wait_healthy()
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_concurrent_requests_all_get_their_own_outputs(server, reference):
+    prompts = make_prompts(16, seed=5)
+    want = [reference.complete(p, max_tokens=20).text for p in prompts]
+
+    def one(p):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        return c.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == want
+
+
+def test_queue_bound_gives_429(tiny_target):
+    engine = Engine(tiny_target, n_ctx=1024)
+    s = ServerThread(create_app(lambda: engine, "tiny", max_queue=1))
+    try:
+        s.wait_healthy()
+        body = {"prompt": "Hello", "max_tokens": 600, "temperature": 0}
+
+        def one(_):
+            return httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            statuses = [r.status_code for r in pool.map(one, range(4))]
+        assert statuses.count(200) >= 2 and 429 in statuses
+        r = next(r for r in ThreadPoolExecutor(4).map(one, range(4)) if r.status_code == 429)
+        assert r.headers["retry-after"] and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.stop()
+
+
+def test_disconnect_mid_stream_frees_the_engine(server):
+    body = {"prompt": "Once", "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth()) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # the next request is served as soon as the abandoned generation reaches the end of its step
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=auth(),
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # the abandoned generation stopped early: far fewer than 900 tokens went through the engine
+    metrics = httpx.get(server.url + "/metrics", headers=auth()).text
+    assert "dflash_cancelled_requests_total 1" in metrics
+
+
+def test_metrics(server, client):
+    client.completions.create(model="tiny", prompt="count", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics", headers=auth()).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    for name in ("requests", "prompt_tokens", "generated_tokens", "generation_seconds", "drafts", "draft_tokens",
+                 "accepted_tokens"):
+        assert f"dflash_{name}_total" in values
+    assert values["dflash_requests_total"] >= 1 and values["dflash_generated_tokens_total"] >= 5
+    assert values["dflash_draft_tokens_total"] > 0
+    assert 'dflash_accepted_tokens_by_position_total{position="1"}' in values
+    assert "# TYPE dflash_requests_total counter" in text
+
+
+def test_schemathesis_finds_no_server_errors(tiny_target, tiny_drafter):
+    # a short context keeps each fuzzed generation short
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=64)
+    s = ServerThread(create_app(lambda: engine, "tiny", api_key=KEY))
+    try:
+        s.wait_healthy()
+        r = subprocess.run(
+            [shutil.which("schemathesis") or "schemathesis", "run", s.url + "/openapi.json", "--checks",
+             "not_a_server_error", "--max-examples", "10", "--header", f"Authorization: Bearer {KEY}",
+             "--workers", "1", "--request-timeout", "120", "--suppress-health-check", "all", "--seed", "1"],
+            capture_output=True, text=True, timeout=900,
+        )
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    finally:
+        s.stop()
+
+
+def test_serve_command_on_gemma(gemma_target, gemma_drafter):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_local", "serve", "-m", str(gemma_target), "-d", str(gemma_drafter),
+         "--port", str(port), "--alias", "gemma"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Say hello."}],
+                                      max_tokens=12, temperature=0)
+        assert r.usage.completion_tokens <= 12 and r.model_extra["timings"]["draft_n"] > 0
+        assert c.models.list().data[0].model_extra["meta"]["target"]["arch"] == "gemma3"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_serve_exits_with_an_error_for_a_bad_model(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"junk" * 100)
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "serve", "-m", str(bad), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a GGUF" in r.stderr
+
+
+def test_huge_top_k_is_a_client_error(server):
+    body = {"prompt": "x", "max_tokens": 2, "top_k": 36028797018963968}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
