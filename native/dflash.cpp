@@ -269,7 +269,8 @@ public:
             bool flash_attn)
         : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api) {
         if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
-            throw std::invalid_argument("targets with recurrent or hybrid memory cannot roll back drafted tokens yet");
+            throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
+                                        "cannot roll back drafted tokens; such targets are not supported yet");
         }
         n_embd = llama_model_n_embd(tgt.model);
         const int n_layer = llama_model_n_layer(tgt.model);

@@ -261,3 +261,41 @@ if __name__ == "__main__":
     dft = write_tiny_drafter(out / "tiny-drafter.gguf", tgt)
     print(tgt)
     print(dft)
+
+
+def write_tiny_mamba(path, *, n_embd=32, n_layer=2, d_inner=64, d_state=8, d_conv=4, dt_rank=4) -> Path:
+    """Random-weight mamba (recurrent memory) model with the tiny tokenizer: a target DFlash must refuse."""
+    tok = build_tokenizer()
+    n_vocab = len(tok["tokens"])
+    init = _Init(2)
+
+    def fill(w):
+        w.add_name("tiny-mamba")
+        w.add_context_length(2048)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(d_conv)
+        w.add_ssm_inner_size(d_inner)
+        w.add_ssm_state_size(d_state)
+        w.add_ssm_time_step_rank(dt_rank)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        _add_tokenizer(w, tok)
+        w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "ssm_in.weight", init.linear(2 * d_inner, n_embd))
+            w.add_tensor(p + "ssm_conv1d.weight", init.linear(d_inner, d_conv))
+            w.add_tensor(p + "ssm_conv1d.bias", init.norm(d_inner))
+            w.add_tensor(p + "ssm_x.weight", init.linear(dt_rank + 2 * d_state, d_inner))
+            w.add_tensor(p + "ssm_dt.weight", init.linear(d_inner, dt_rank))
+            w.add_tensor(p + "ssm_dt.bias", init.norm(d_inner))
+            w.add_tensor(p + "ssm_a", -np.ones((d_inner, d_state), dtype=np.float32))
+            w.add_tensor(p + "ssm_d", init.norm(d_inner))
+            w.add_tensor(p + "ssm_out.weight", init.linear(n_embd, d_inner))
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+
+    return write_gguf_atomic(path, "mamba", fill)
