@@ -16,6 +16,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline), drafter not loaded")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's trained size)")
+    p.add_argument("--draft-backend", choices=["ggml", "torch"], default="ggml",
+                   help="run the drafter in llama.cpp (ggml, default) or in PyTorch (torch)")
+    p.add_argument("--draft-device", choices=["cpu", "cuda", "mps"], default="cpu",
+                   help="device of the PyTorch drafter (with --draft-backend torch)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target/drafter layers on the GPU (-1: all)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--flash-attn", action="store_true", help="flash attention for the target (faster on GPUs; "
@@ -38,6 +42,8 @@ def _load_engine(args):
         n_threads=args.threads,
         block_size=args.block_size,
         capture=args.capture,
+        draft_backend=args.draft_backend,
+        draft_device=args.draft_device,
         flash_attn=args.flash_attn,
         repack=args.repack,
         verbose=args.verbose,

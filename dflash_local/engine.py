@@ -20,6 +20,9 @@ from .textstream import TextStream
 from .validate import check_pair, check_target
 
 
+PREFILL_CHUNK = 512  # the native batch size
+
+
 class ContextOverflowError(ValueError):
     """The prompt does not fit in the context window."""
 
@@ -78,11 +81,16 @@ class Engine:
         n_threads: int | None = None,
         block_size: int | None = None,
         capture: str = "auto",
+        draft_backend: str = "ggml",
+        draft_device: str = "cpu",
         flash_attn: bool = False,
         repack: bool = False,
         verbose: bool = False,
     ):
         """capture: how target features are read: 'auto' (from the architecture), 'layer_api' or 'callback'.
+
+        draft_backend: 'ggml' runs the drafter in llama.cpp; 'torch' runs it in PyTorch on draft_device (cuda, mps
+        or cpu) beside the llama.cpp target.
 
         flash_attn and repack select faster CPU kernels for the target that round differently for a verify batch
         than for a single token, so greedy output may then differ from plain decoding where two tokens nearly tie.
@@ -90,6 +98,8 @@ class Engine:
         """
         if capture not in ("auto", "layer_api", "callback"):
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
+        if draft_backend not in ("ggml", "torch"):
+            raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
         _native.set_verbose(verbose)
         self.target_info = read_gguf(model)
         check_target(self.target_info)
@@ -102,7 +112,14 @@ class Engine:
         self.n_ctx = min(n_ctx, n_ctx_train)
         self.n_threads = n_threads or os.cpu_count() or 1
         self.target = _native.Model(str(model), n_gpu_layers, repack)
-        self.drafter = _native.Model(str(draft), n_gpu_layers, True) if draft else None  # drafts need no exactness
+        self.drafter = None  # the llama.cpp drafter
+        self.torch_drafter = None
+        if draft and draft_backend == "ggml":
+            self.drafter = _native.Model(str(draft), n_gpu_layers, True)  # drafts need no bit-exactness
+        elif draft:
+            from .torch_drafter import TorchDraftBackend, pick_device
+
+            self.torch_drafter = TorchDraftBackend.from_gguf(draft, model, pick_device(draft_device))
 
         layers = self.spec.layers if self.spec else []
         arch = self.target_info.arch
@@ -131,7 +148,7 @@ class Engine:
 
     @property
     def has_drafter(self) -> bool:
-        return self.drafter is not None
+        return self.drafter is not None or self.torch_drafter is not None
 
     def model_info(self) -> dict:
         """What a frontend shows about the loaded pair."""
@@ -155,14 +172,18 @@ class Engine:
             "gpu_offload": _native.supports_gpu_offload(),
             "drafter": None,
         }
+        if self.torch_drafter is not None:
+            info["draft_backend"] = f"torch ({self.torch_drafter.device})"
+        elif self.drafter is not None:
+            info["draft_backend"] = "ggml"
         if self.draft_info:
             d = self.draft_info
             info["drafter"] = {
                 "path": str(d.path),
                 "arch": d.arch,
                 "quant": _file_type(d),
-                "size_bytes": self.drafter.size,
-                "n_layer": self.drafter.n_layer,
+                "size_bytes": d.path.stat().st_size,
+                "n_layer": d.get("block_count"),
                 "target_layers": self.spec.layers,
                 "trained_block_size": self.spec.block_size,
             }
@@ -272,11 +293,19 @@ class Engine:
             n_cached = min(n_cached, self._draft_valid)
         s.set_capture(drafting)
         self._draft_valid = min(self._draft_valid, n_cached)
+        td = self.torch_drafter if drafting and external_drafter is None else None
         try:
             t0 = time.perf_counter()
             s.truncate(n_cached)
             self._cached = ids[:n_cached]
-            first = s.prefill(ids[n_cached:], sampling, 0)
+            if td is None:
+                first = s.prefill(ids[n_cached:], sampling, 0)
+            else:
+                # the torch drafter needs the features of every prompt position: prefill chunk by chunk
+                td.crop(n_cached)
+                for off in range(n_cached, len(ids), PREFILL_CHUNK):
+                    first = s.prefill(ids[off : off + PREFILL_CHUNK], sampling, 0)
+                    td.add(s.features(), off)
             prompt_ms = (time.perf_counter() - t0) * 1000
             self._cached = list(ids)
             produced.append(first)
@@ -290,10 +319,17 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 want = min(n_draft, max_tokens - len(out) - 1)  # drafts past max_tokens would be thrown away
-                forced = None
+                forced, torch_ms, p0 = None, 0.0, s.n_past
                 if external_drafter is not None and want > 0:
                     forced = list(external_drafter(ids + produced, want))[:want]
+                elif td is not None and want > 0:
+                    forced = td.propose(last, want)
+                    torch_ms = (time.perf_counter() - t_step) * 1000
                 r = s.step(last, want, sampling, len(produced), forced)
+                if td is not None:
+                    t_add = time.perf_counter()
+                    td.add(s.features()[: r.n_accepted + 1], p0)
+                    torch_ms += (time.perf_counter() - t_add) * 1000
                 self._cached = (ids + produced)[: s.n_past]
                 produced.extend(r.tokens)
                 text, n_out = "", len(out)
@@ -308,9 +344,9 @@ class Engine:
                     n_drafted=len(r.draft),
                     n_accepted=r.n_accepted,
                     n_tokens=len(out) - n_out,
-                    draft_ms=r.draft_ms,
+                    draft_ms=r.draft_ms + torch_ms,
                     verify_ms=r.verify_ms,
-                    other_ms=max(wall_ms - r.draft_ms - r.verify_ms, 0.0),
+                    other_ms=max(wall_ms - r.draft_ms - torch_ms - r.verify_ms, 0.0),
                 )
                 tracker.add(stats)
                 if text:
@@ -332,7 +368,7 @@ class Engine:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
             self._cached = (ids + produced)[: s.n_past]
             if drafting:
-                self._draft_valid = s.n_past
+                self._draft_valid = s.n_past if td is None else min(s.n_past, td.n)
 
     def complete(self, *args, **kwargs) -> Finished:
         """Run generate() to the end and return its Finished event."""

@@ -324,6 +324,10 @@ public:
             dp.n_threads_batch = n_threads;
             dp.no_perf         = true;
             dp.ctx_other       = ctx_tgt;
+            // the drafter's cache is small; f32 keeps its drafts equal to a float32 reference implementation
+            dp.type_k          = GGML_TYPE_F32;
+            dp.type_v          = GGML_TYPE_F32;
+            dp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // the CPU kernel rounds through f16
             ctx_dft = llama_init_from_model(dft->model, dp);
             if (!ctx_dft) {
                 free_all();
@@ -456,6 +460,18 @@ public:
         return out;
     }
 
+    // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
+    void keep_draft_logits(bool on) { keep_draft = on; }
+
+    // Logits of the drafter's last noise block at its draft positions: [n, n_vocab].
+    py::array_t<float> draft_logits() const {
+        const size_t n_vocab = tgt.n_vocab();
+        const size_t n = draft_rows.size() / n_vocab;
+        py::array_t<float> out({n, n_vocab});
+        std::memcpy(out.mutable_data(), draft_rows.data(), draft_rows.size() * sizeof(float));
+        return out;
+    }
+
     // Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
     py::array_t<float> features() const {
         const size_t width = layers.size() * (size_t) n_embd;
@@ -480,6 +496,8 @@ private:
     llama_batch_ext * batch_dft = nullptr;
     llama_token mask_token = -1;
     int block_size = 16;
+    bool keep_draft = false;
+    std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
     int n_ctx = 0;
     int n_embd = 0;
     int past = 0;
@@ -606,16 +624,22 @@ private:
     void draft_block(llama_token last, int n_draft, bool with_probs, StepResult & r) {
         llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, past, -1);
         llama_batch_ext_clear(batch_dft);
+        // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
+        // llama.cpp keeps the first n_outputs of them, so marking fewer would shift the rows
         for (int i = 0; i <= n_draft; ++i) {
-            add_token(batch_dft, i == 0 ? last : mask_token, past + i, i > 0);
+            add_token(batch_dft, i == 0 ? last : mask_token, past + i, true);
         }
         const int32_t rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch_dft);
         if (rc != 0) {
             fail("drafter decode failed (code " + std::to_string(rc) + ")");
         }
         const int n_vocab = tgt.n_vocab();
+        draft_rows.clear();
         for (int i = 0; i < n_draft; ++i) {
             const float * row = llama_get_logits_ith(ctx_dft, i + 1);
+            if (keep_draft) {
+                draft_rows.insert(draft_rows.end(), row, row + n_vocab);
+            }
             const llama_token t = argmax(row, n_vocab);
             r.draft.push_back(t);
             if (with_probs) {
@@ -730,5 +754,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("last"), py::arg("n_draft"), py::arg("sampling"), py::arg("index"),
              py::arg("forced_draft") = py::none(), py::arg("with_probs") = false)
         .def("features", &Session::features)
-        .def("logits", &Session::logits);
+        .def("logits", &Session::logits)
+        .def("keep_draft_logits", &Session::keep_draft_logits)
+        .def("draft_logits", &Session::draft_logits);
 }

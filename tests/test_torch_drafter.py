@@ -1,0 +1,97 @@
+"""The PyTorch drafter backend against the llama.cpp (ggml) drafter, and lossless generation with it."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import make_prompts
+
+torch = pytest.importorskip("torch")
+
+from dflash_local import Engine, _native  # noqa: E402
+from dflash_local.torch_drafter import pick_device  # noqa: E402
+
+
+def draft_logits_both(target, drafter, prompt, n):
+    """Draft logits of the same noise block from the ggml drafter and the torch drafter."""
+    g = Engine(target, drafter, n_ctx=512)
+    t = Engine(target, drafter, n_ctx=512, draft_backend="torch")
+    sp = _native.Sampling()
+    g.session.keep_draft_logits(True)
+    ids = g.prompt_tokens(prompt)
+    first = g.session.prefill(ids, sp, 0)
+    g.session.step(first, n, sp, 1, None, False)
+    t.session.prefill(ids, sp, 0)
+    t.torch_drafter.add(t.session.features(), 0)
+    return g.session.draft_logits(), t.torch_drafter.logits(first, n).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_f32_drafter_logits_match_the_ggml_drafter(tiny_target, tiny_drafter, n):
+    for prompt in ("def add(a, b):", "The quick brown fox jumps over"):
+        ggml, ref = draft_logits_both(tiny_target, tiny_drafter, prompt, n)
+        assert ggml.shape == ref.shape == (n, 488)
+        rel = np.abs(ggml - ref).max(axis=1) / np.abs(ref).max(axis=1)
+        assert rel.max() < 1e-4
+        assert (ggml.argmax(1) == ref.argmax(1)).all()
+
+
+def test_gemma_drafter_top1_matches_the_ggml_drafter(gemma_target, gemma_drafter):
+    # the ggml side multiplies by gemma's Q8_0 LM head, torch by its dequantized copy: compare the top-1 token
+    agree = total = 0
+    for prompt in make_prompts(6, seed=2):
+        ggml, ref = draft_logits_both(gemma_target, gemma_drafter, prompt, 3)
+        agree += int((ggml.argmax(1) == ref.argmax(1)).sum())
+        total += len(ref)
+    assert agree / total >= 0.99
+
+
+def test_torch_backend_is_lossless_on_the_tiny_pair(tiny_target, tiny_drafter):
+    e = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_backend="torch")
+    assert e.model_info()["draft_backend"] == "torch (cpu)"
+    for p in make_prompts(20, seed=4):
+        spec = e.complete(p, max_tokens=24)
+        assert spec.token_ids == e.complete(p, max_tokens=24, draft=False).token_ids
+        assert spec.summary.n_drafted > 0 and spec.summary.draft_ms > 0
+    # prefix reuse keeps the torch drafter's context in step with the target's cache
+    first = e.complete("Hello world", max_tokens=30)
+    again = e.complete("Hello world" + first.text, max_tokens=30)
+    assert again.summary.n_cached > 0
+    assert again.token_ids == e.complete("Hello world" + first.text, max_tokens=30, draft=False).token_ids
+
+
+def test_torch_and_ggml_backends_draft_the_same_tokens(tiny_target, tiny_drafter):
+    g = Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    t = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_backend="torch")
+    for p in make_prompts(5, seed=9):
+        a, b = g.complete(p, max_tokens=40), t.complete(p, max_tokens=40)
+        assert a.token_ids == b.token_ids
+        assert (a.summary.n_drafted, a.summary.n_accepted) == (b.summary.n_drafted, b.summary.n_accepted)
+
+
+def test_torch_backend_is_lossless_on_gemma(gemma_target, gemma_drafter):
+    e = Engine(gemma_target, gemma_drafter, n_ctx=1024, draft_backend="torch")
+    for p in make_prompts(5, seed=13):
+        assert e.complete(p, max_tokens=16).token_ids == e.complete(p, max_tokens=16, draft=False).token_ids
+
+
+def test_cli_torch_backend(tiny_target, tiny_drafter, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash_local", "generate", "-m", str(tiny_target), "-d", str(tiny_drafter),
+         "--draft-backend", "torch", "--draft-device", "cpu", "-p", "Hello", "-n", "12", "--json"],
+        capture_output=True, text=True, cwd=tmp_path, check=True,
+    )
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 12 and out["draft_ms"] > 0
+
+
+def test_missing_devices_are_clear_errors():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            pick_device("cuda")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="no Metal device"):
+            pick_device("mps")
+    assert pick_device("cpu") == "cpu"
