@@ -132,6 +132,14 @@ def cmd_serve(args) -> int:
     return serve(args, lambda: _load_engine(args), alias)
 
 
+def cmd_bench(args) -> int:
+    from .bench import cmd_bench as run
+
+    if args.no_draft or not args.draft:
+        raise ValueError("bench compares DFlash with plain decoding: give a drafter with -d")
+    return run(args, _load_engine(args))
+
+
 def cmd_init_drafter(args) -> int:
     from .convert.init_drafter import init_drafter
     from .models import default_target
@@ -175,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="baseline vs DFlash on a prompt set: speed, acceptance, costs")
+    _engine_args(b)
+    b.add_argument("--prompts", help="JSONL file, one object per line with 'prompt' or 'messages'")
+    b.add_argument("-n", "--max-tokens", type=int, default=256)
+    b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
+    b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
     d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")

@@ -1,0 +1,202 @@
+"""`dflash-local bench`: baseline vs DFlash on a prompt set, in one process, with the costs that explain the result.
+
+Per prompt and overall: baseline and DFlash tokens/s, speedup, mean acceptance length tau, acceptance per block
+position; the target's verify cost T(k) for k = 1..B, the draft cost, and the ideal speedup they imply
+(tau * T(1) / (T(B) + draft)); llama-cpp-python's prompt-lookup decoding as a peer row. Greedy outputs must be
+token-identical to the baseline: any mismatch fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import _native
+from .engine import Engine
+
+DEFAULT_PROMPTS = [
+    {"prompt": "Write a Python function that checks whether a string is a palindrome.\n\n```python\n"},
+    {"prompt": "The three most important inventions of the nineteenth century were"},
+    {"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
+    {"prompt": "A recipe for a simple tomato soup:\n\nIngredients:\n"},
+    {"prompt": "Explain how a hash table works, step by step."},
+    {"prompt": "class Stack:\n    def __init__(self):\n"},
+    {"prompt": "The history of the bicycle begins in"},
+    {"prompt": "SELECT name, COUNT(*) FROM orders"},
+    {"prompt": "Once upon a time, in a small village by the sea,"},
+    {"prompt": "The main differences between TCP and UDP are"},
+]
+
+
+def load_prompts(path: str | None) -> list[dict]:
+    if path is None:
+        return DEFAULT_PROMPTS
+    rows = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{path}:{i}: each line needs exactly one of 'prompt' or 'messages'")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int, float]:
+    """Median target time T(k) for verifying k tokens, k = 1..block (drafts forced, so every k is exact)."""
+    s, sp = engine.session, _native.Sampling()
+    s.set_capture(False)
+    s.truncate(0)
+    engine._cached, engine._draft_valid = [], 0  # the session is driven by hand here
+    ids = engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"])
+    last = s.prefill(ids, sp, 0)
+    curve = {}
+    for k in range(1, block + 1):
+        times = []
+        for _ in range(repeats):
+            p0 = s.n_past
+            r = s.step(last, 0, sp, 1, [last] * (k - 1), False)
+            times.append(r.verify_ms)
+            s.truncate(p0)  # measure every k at the same place
+        curve[k] = statistics.median(times)
+    s.truncate(0)
+    return curve
+
+
+def prompt_lookup_speed(model_path, row: dict, max_tokens: int, n_threads: int, n_ctx: int) -> float:
+    """Tokens/s of llama-cpp-python's own prompt-lookup speculative decoding (what a user might pick instead)."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    llm = Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, verbose=False,
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    t0 = time.perf_counter()
+    if "messages" in row:
+        out = llm.create_chat_completion(row["messages"], max_tokens=max_tokens, temperature=0)
+    else:
+        out = llm.create_completion(row["prompt"], max_tokens=max_tokens, temperature=0)
+    return out["usage"]["completion_tokens"] / (time.perf_counter() - t0)
+
+
+def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool = True, log=print) -> dict:
+    rows = []
+    for i, row in enumerate(prompts):
+        kw = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
+        base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
+        spec = engine.complete(**kw, max_tokens=max_tokens, draft=True)
+        s = spec.summary
+        r = {
+            "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
+            "tokens": len(base.token_ids),
+            "baseline_tokens_per_second": base.summary.tokens_per_second,
+            "dflash_tokens_per_second": s.tokens_per_second,
+            "speedup": s.tokens_per_second / base.summary.tokens_per_second if base.summary.tokens_per_second else 0,
+            "mean_acceptance_length": s.mean_acceptance_length,
+            "acceptance_rate": s.acceptance_rate,
+            "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
+            "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
+            "lossless": spec.token_ids == base.token_ids,
+            "_summary": s,
+        }
+        if peer:
+            r["prompt_lookup_tokens_per_second"] = prompt_lookup_speed(
+                engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
+        rows.append(r)
+        log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
+            f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
+            + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
+
+    block = engine.block_size
+    curve = verify_cost_curve(engine, block)
+    sums = [r.pop("_summary") for r in rows]
+    steps = sum(s.steps for s in sums)
+    drafted = [sum(s.drafted_at[k] for s in sums) for k in range(block - 1)]
+    accepted = [sum(s.accepted_at[k] for s in sums) for k in range(block - 1)]
+    base_time = sum(r["tokens"] / r["baseline_tokens_per_second"] for r in rows if r["baseline_tokens_per_second"])
+    spec_time = sum(r["tokens"] / r["dflash_tokens_per_second"] for r in rows if r["dflash_tokens_per_second"])
+    n_tokens = sum(r["tokens"] for r in rows)
+    tau = (sum(s.n_accepted for s in sums) + steps) / steps if steps else 0.0
+    draft_ms = sum(s.draft_ms for s in sums) / steps if steps else 0.0
+    overall = {
+        "baseline_tokens_per_second": n_tokens / base_time if base_time else 0.0,
+        "dflash_tokens_per_second": n_tokens / spec_time if spec_time else 0.0,
+        "mean_acceptance_length": tau,
+        "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+        "verify_ms": curve,
+        "draft_ms_per_step": draft_ms,
+        "ideal_speedup": tau * curve[1] / (curve[block] + draft_ms) if block in curve else 0.0,
+        "lossless": all(r["lossless"] for r in rows),
+        "block_size": block,
+        "prompts": len(rows),
+        "max_tokens": max_tokens,
+        "model": engine.model_info(),
+    }
+    overall["speedup"] = (overall["dflash_tokens_per_second"] / overall["baseline_tokens_per_second"]
+                          if overall["baseline_tokens_per_second"] else 0.0)
+    if peer:
+        overall["prompt_lookup_tokens_per_second"] = statistics.mean(r["prompt_lookup_tokens_per_second"]
+                                                                     for r in rows)
+    return {"rows": rows, "overall": overall}
+
+
+def markdown(result: dict) -> str:
+    o = result["overall"]
+    peer = "prompt_lookup_tokens_per_second" in o
+    head = "| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | tau |" + (" prompt lookup tok/s |" if peer else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt'][:40]!r} | {r['tokens']} | {r['baseline_tokens_per_second']:.1f} | "
+                     f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | {r['mean_acceptance_length']:.2f} |"
+                     + (f" {r['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
+    lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
+                 f"{o['speedup']:.2f} | {o['mean_acceptance_length']:.2f} |"
+                 + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
+    curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
+    lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
+              f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
+              f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
+              f"Lossless: {o['lossless']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    o = result["overall"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    ks = list(o["verify_ms"])
+    a.plot(ks, [o["verify_ms"][k] for k in ks], marker="o")
+    a.set(xlabel="tokens verified (k)", ylabel="target verify time T(k), ms", title="Verify cost")
+    b.bar(range(1, len(o["acceptance_rate"]) + 1), o["acceptance_rate"])
+    b.set(xlabel="block position", ylabel="acceptance rate", ylim=(0, 1),
+          title=f"tau {o['mean_acceptance_length']:.2f}, speedup {o['speedup']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "bench.md").write_text(markdown(result))
+    plot(result, out / "bench.png")
+
+
+def cmd_bench(args, engine: Engine) -> int:
+    prompts = load_prompts(args.prompts)
+    result = run_bench(engine, prompts, args.max_tokens, peer=not args.no_peer,
+                       log=lambda m: print(m, file=sys.stderr))
+    write_outputs(result, Path(args.out))
+    print(markdown(result))
+    if not result["overall"]["lossless"]:
+        print("dflash-local: error: a DFlash output differs from the baseline", file=sys.stderr)
+        return 1
+    return 0

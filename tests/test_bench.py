@@ -1,0 +1,37 @@
+import json
+import subprocess
+import sys
+
+
+def run_bench(args, cwd):
+    return subprocess.run([sys.executable, "-m", "dflash_local", "bench", *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello world"}) + "\n" +
+                       json.dumps({"messages": [{"role": "user", "content": "def f(x):"}]}) + "\n")
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(prompts), "-n", "16",
+                   "--out", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    o = result["overall"]
+    for key in ("baseline_tokens_per_second", "dflash_tokens_per_second", "speedup", "mean_acceptance_length",
+                "lossless", "verify_ms", "draft_ms_per_step", "ideal_speedup", "prompt_lookup_tokens_per_second"):
+        assert key in o
+    assert o["lossless"] is True and o["prompts"] == 2
+    assert sorted(int(k) for k in o["verify_ms"]) == list(range(1, 9))
+    assert len(result["rows"]) == 2 and all(row["lossless"] for row in result["rows"])
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| **overall** |" in (tmp_path / "out" / "bench.md").read_text()
+    assert "[2/2]" in r.stderr  # progress
+
+
+def test_bench_rejects_bad_prompt_files(tiny_target, tiny_drafter, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(bad)], tmp_path)
+    assert r.returncode == 2 and "exactly one of 'prompt' or 'messages'" in r.stderr
+    r = run_bench(["-m", str(tiny_target), "--prompts", str(bad)], tmp_path)
+    assert r.returncode == 2 and "give a drafter" in r.stderr
