@@ -9,8 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from . import _native, chat
 from .gguf_file import read_gguf
@@ -48,16 +47,6 @@ Event = TextDelta | StepStats | Finished
 # An external drafter gets the tokens so far (prompt + generated, the newest last) and a draft length, and returns
 # its proposed next tokens. Used for scripted drafters in tests and drafters that run outside llama.cpp.
 ExternalDrafter = Callable[[list[int], int], list[int]]
-
-
-@dataclass
-class ModelInfo:
-    path: str
-    arch: str
-    file_type: str
-    n_params_desc: str
-    size_bytes: int
-    extra: dict = field(default_factory=dict)
 
 
 def _file_type(info) -> str:
@@ -107,7 +96,7 @@ class Engine:
         self.spec = check_pair(self.target_info, self.draft_info) if self.draft_info else None
 
         n_ctx_train = self.target_info.get("context_length") or n_ctx
-        if not 8 <= n_ctx:
+        if n_ctx < 8:
             raise ValueError(f"n_ctx must be at least 8, got {n_ctx}")
         self.n_ctx = min(n_ctx, n_ctx_train)
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -137,7 +126,7 @@ class Engine:
             and _native.cpu_matmul_batch_invariant()
         )
         trained = self.spec.block_size if self.spec else 1
-        if block_size is not None and not 1 <= block_size:
+        if block_size is not None and block_size < 1:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = min(block_size or trained, trained)
         self._cached: list[int] = []  # the tokens in the target's KV cache, in order
