@@ -287,15 +287,7 @@ public:
             throw std::invalid_argument("a drafter needs target feature layers");
         }
 
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx           = n_ctx;
-        cp.n_batch         = n_batch;
-        cp.n_ubatch        = n_batch;
-        cp.n_threads       = n_threads;
-        cp.n_threads_batch = n_threads;
-        cp.no_perf         = true;
-        // the CPU flash-attention kernel rounds differently for one query than for a block of them
-        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        llama_context_params cp = context_params(n_ctx, n_threads, flash_attn);
         if (!this->layers.empty() && !layer_api) {
             cp.cb_eval           = eval_cb;
             cp.cb_eval_user_data = this;
@@ -314,20 +306,14 @@ public:
         }
 
         if (dft) {
-            llama_context_params dp = llama_context_default_params();
             const std::string bs = dft->meta("dflash.block_size");
             block_size = bs.empty() ? 16 : std::max(2, std::atoi(bs.c_str()));
-            dp.n_ctx           = this->n_ctx + block_size;  // the noise block reaches past the target's last position
-            dp.n_batch         = n_batch;
-            dp.n_ubatch        = n_batch;
-            dp.n_threads       = n_threads;
-            dp.n_threads_batch = n_threads;
-            dp.no_perf         = true;
-            dp.ctx_other       = ctx_tgt;
+            // the noise block reaches past the target's last position
+            llama_context_params dp = context_params(this->n_ctx + block_size, n_threads, false);
+            dp.ctx_other = ctx_tgt;
             // the drafter's cache is small; f32 keeps its drafts equal to a float32 reference implementation
-            dp.type_k          = GGML_TYPE_F32;
-            dp.type_v          = GGML_TYPE_F32;
-            dp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // the CPU kernel rounds through f16
+            dp.type_k = GGML_TYPE_F32;
+            dp.type_v = GGML_TYPE_F32;
             ctx_dft = llama_init_from_model(dft->model, dp);
             if (!ctx_dft) {
                 free_all();
@@ -506,6 +492,19 @@ private:
     int feat_rows = 0;
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
     std::vector<std::pair<float, llama_token>> cand;
+
+    static llama_context_params context_params(int n_ctx, int n_threads, bool flash_attn) {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = n_batch;
+        cp.n_ubatch        = n_batch;
+        cp.n_threads       = n_threads;
+        cp.n_threads_batch = n_threads;
+        cp.no_perf         = true;
+        // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
+        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        return cp;
+    }
 
     void free_all() {
         if (batch_dft) llama_batch_ext_free(batch_dft);
