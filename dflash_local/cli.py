@@ -132,6 +132,12 @@ def cmd_serve(args) -> int:
     return serve(args, lambda: _load_engine(args), alias)
 
 
+def cmd_tui(args) -> int:
+    from .tui.app import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     from .bench import cmd_bench as run
 
@@ -183,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
     s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("tui", help="chat in the terminal with live tokens/s and acceptance")
+    _engine_args(t)
+    t.set_defaults(func=cmd_tui)
 
     b = sub.add_parser("bench", help="baseline vs DFlash on a prompt set: speed, acceptance, costs")
     _engine_args(b)

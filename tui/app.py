@@ -1,0 +1,326 @@
+"""`dflash-local tui`: chat with a target/drafter pair and watch DFlash work, live.
+
+The engine runs in a thread worker that only queues its events; a timer on the UI thread drains the queue every
+FLUSH_S seconds, so the screen redraws a few times a second whatever the token rate, and the UI thread never waits
+on the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Input, Static
+
+from ..engine import Finished, TextDelta
+from ..stats import StepStats
+from .live import Live
+from .panels import LivePanel, ModelPanel
+from .settings import Settings, SettingsScreen
+
+FLUSH_S = 0.1
+
+# C0 controls (but newline and tab) and DEL would move the terminal's cursor: show them as their Unicode pictures
+_CONTROLS = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
+
+
+def printable(s: str) -> str:
+    return s.translate(_CONTROLS)
+
+
+@dataclass
+class Done:
+    """The worker's last word on one answer: the engine's generator is closed by the time this is queued."""
+
+    error: Exception | None
+    stopped: bool
+
+
+class PromptInput(Input):
+    """The prompt line; up and down recall earlier prompts."""
+
+    BINDINGS: ClassVar = [Binding("up", "recall(-1)", show=False), Binding("down", "recall(1)", show=False)]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sent: list[str] = []
+        self.recall_at = 0
+
+    def remember(self, text: str) -> None:
+        self.sent.append(text)
+        self.recall_at = len(self.sent)
+
+    def action_recall(self, delta: int) -> None:
+        if not self.sent:
+            return
+        self.recall_at = max(0, min(self.recall_at + delta, len(self.sent)))
+        self.value = self.sent[self.recall_at] if self.recall_at < len(self.sent) else ""
+        self.cursor_position = len(self.value)
+
+
+class Message(Static):
+    """One chat turn: a heading line, then the text."""
+
+    def __init__(self, role: str, heading: str, body: str = ""):
+        super().__init__(classes=role)
+        self.heading = heading
+        self.body = body
+        self.note = ""  # after the heading: the answer's figures, or why it ended early
+
+    def on_mount(self) -> None:
+        self.render_text()
+
+    def render_text(self) -> None:
+        t = Text()
+        t.append(self.heading, style="bold")
+        if self.note:
+            t.append(" · " + self.note, style="dim")
+        t.append("\n" + (printable(self.body) or "…"))
+        self.update(t)
+
+
+class ChatApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "dflash-local"
+    ENABLE_COMMAND_PALETTE = False  # its footer entry would not fit in 80 columns beside ours
+    BINDINGS: ClassVar = [
+        Binding("enter", "send", "Send"),  # the prompt line takes enter first; this shows the key in the footer
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+b", "toggle_draft", "Draft on/off"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+y", "copy", "Copy answer"),
+        Binding("ctrl+o", "settings", "Settings"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, engine, settings: Settings | None = None, n_gpu_layers: int = 0):
+        super().__init__()
+        self.engine = engine
+        self.info = engine.model_info()
+        self.trained_block = self.info["drafter"]["trained_block_size"] if self.info["drafter"] else 1
+        self.settings = settings or Settings(block_size=engine.block_size)
+        self.n_gpu_layers = n_gpu_layers
+        self.draft_next = engine.has_drafter  # the mode of the next answer (ctrl+b)
+        self.live = Live(drafting=self.draft_next)
+        self.messages: list[dict] = []  # the conversation so far, as the engine takes it
+        self.last_answer = ""
+        self.busy = False  # from a prompt's send until its Done is drained
+        self.answer: Message | None = None  # the answer being streamed
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop_requested = threading.Event()
+
+    def compose(self) -> ComposeResult:
+        with Horizontal():
+            with Vertical(id="chat-column"):
+                with VerticalScroll(id="chat"):
+                    yield Static(self.welcome(), id="welcome")
+                yield PromptInput(placeholder="Ask something (enter sends)", id="prompt")
+            with Vertical(id="side"):
+                yield LivePanel(id="live")
+                yield ModelPanel(id="model")
+        yield Footer()
+
+    def welcome(self) -> Text:
+        t = Text("Type a prompt and press enter. ", style="dim")
+        if self.engine.has_drafter:
+            t.append("ctrl+b switches the next answer between DFlash and plain decoding, so the live panel can "
+                     "measure the speedup.", style="dim")  # fmt: skip
+        else:
+            t.append("No drafter is loaded, so answers use plain decoding: start with --draft DRAFTER.gguf "
+                     "(`dflash-local init-drafter` makes an untrained one) to see DFlash.", style="dim")  # fmt: skip
+        return t
+
+    def on_mount(self) -> None:
+        self.query_one(PromptInput).focus()
+        self.refresh_panels()
+        self.set_interval(FLUSH_S, self.flush)
+
+    def refresh_panels(self) -> None:
+        self.query_one(LivePanel).show(self.live, self.engine.has_drafter)
+        self.query_one(ModelPanel).show(self.info, self.settings.block_size, self.n_gpu_layers)
+        self.query_one("#chat-column").border_title = "Chat · next: " + ("DFlash" if self.draft_next else "plain")
+
+    # -- sending and streaming ------------------------------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.action_send()
+
+    def action_send(self) -> None:
+        prompt = self.query_one(PromptInput)
+        text = prompt.value.strip()
+        if not text:
+            return
+        if self.busy:
+            self.notify("Still answering: esc stops it.", severity="warning")
+            return
+        prompt.remember(text)
+        prompt.value = ""
+        self.messages.append({"role": "user", "content": text})
+        drafting = self.draft_next and self.engine.has_drafter
+        if self.engine.has_drafter:
+            self.engine.block_size = self.settings.block_size  # read by the engine when a generation starts
+        chat = self.query_one("#chat", VerticalScroll)
+        self.answer = Message("assistant", "DFlash" if drafting else "plain")
+        chat.mount(Message("user", "You", text))
+        chat.mount(self.answer)
+        chat.scroll_end(animate=False)
+        self.live.start(drafting, self.engine.block_size)
+        self.refresh_panels()
+        self.busy = True
+        self.stop_requested.clear()
+        system = self.settings.system_prompt.strip()
+        messages = ([{"role": "system", "content": system}] if system else []) + list(self.messages)
+        kwargs = dict(messages=messages, draft=drafting, **self.settings.sampling())
+        self.run_worker(lambda: self.generate(kwargs), thread=True, group="generate")
+
+    def generate(self, kwargs: dict) -> None:
+        """Worker thread: run one answer, queueing every event; the UI thread does all the rest."""
+        error, finished = None, False
+        try:
+            with contextlib.closing(self.engine.generate(**kwargs)) as events:
+                for ev in events:
+                    self.events.put(ev)
+                    finished = isinstance(ev, Finished)
+                    if self.stop_requested.is_set():
+                        break  # closing the generator stops the engine cleanly between two steps
+        except Exception as e:  # shown as a notification; the app carries on
+            error = e
+        self.events.put(Done(error, self.stop_requested.is_set() and not finished))
+
+    def flush(self) -> None:
+        """Timer: take whatever the worker queued since the last tick and redraw once."""
+        text = stats = False
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, TextDelta):
+                self.answer.body += ev.text
+                self.live.first_text()
+                text = True
+            elif isinstance(ev, StepStats):
+                self.live.step(ev)
+                stats = True
+            elif isinstance(ev, Finished):
+                self.answer.body = ev.text
+                self.live.finish(ev.summary)
+                text = stats = True
+            elif isinstance(ev, Done):
+                self.done(ev)
+                text = stats = True
+        if text:
+            self.answer.render_text()
+            self.query_one("#chat", VerticalScroll).scroll_end(animate=False)
+        if stats:
+            self.refresh_panels()
+
+    def done(self, ev: Done) -> None:
+        self.busy = False
+        s = self.live.summary
+        if ev.error is not None:
+            self.messages.pop()  # the question goes unanswered; keep the conversation sendable
+            self.answer.note = "failed"
+            name = type(ev.error).__name__
+            self.notify(str(ev.error) or name, title=f"Generation failed ({name})", severity="error", timeout=8)
+            return
+        self.messages.append({"role": "assistant", "content": self.answer.body})
+        self.last_answer = self.answer.body
+        if ev.stopped:
+            self.answer.note = f"stopped · {self.live.tokens} tokens"
+        elif s is not None:
+            self.answer.note = f"{s.n_generated} tokens · {s.tokens_per_second:.1f} tok/s"
+            if s.drafting:
+                self.answer.note += f" · τ {s.mean_acceptance_length:.2f}"
+            if s.finish_reason == "length":
+                self.answer.note += " · max tokens"
+            elif s.finish_reason == "context_full":
+                self.answer.note += " · context full"
+                self.notify("The context is full: ctrl+n starts a new chat.", severity="warning")
+
+    # -- keys -----------------------------------------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.busy:
+            self.stop_requested.set()
+
+    def action_toggle_draft(self) -> None:
+        if not self.engine.has_drafter:
+            self.notify("No drafter loaded: start with --draft DRAFTER.gguf.", severity="warning")
+            return
+        self.draft_next = not self.draft_next
+        mode = "DFlash drafting" if self.draft_next else "plain decoding (the baseline)"
+        self.notify(f"Next answer: {mode}.")
+        self.refresh_panels()
+
+    def action_new_chat(self) -> None:
+        if self.busy:
+            self.notify("Still answering: esc stops it first.", severity="warning")
+            return
+        self.messages.clear()
+        chat = self.query_one("#chat", VerticalScroll)
+        chat.remove_children(Message)
+        self.answer = None
+        self.query_one(PromptInput).focus()
+
+    def action_copy(self) -> None:
+        if not self.last_answer:
+            self.notify("No answer to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(self.last_answer)  # OSC 52: the terminal must allow it
+        self.notify(f"Copied the last answer ({len(self.last_answer)} characters).")
+
+    def action_settings(self) -> None:
+        self.push_screen(SettingsScreen(self.settings, self.trained_block), self.apply_settings)
+
+    def apply_settings(self, settings: Settings | None) -> None:
+        if settings is None:
+            return
+        self.settings = settings
+        self.refresh_panels()
+        self.notify("Settings saved: they apply from the next answer.")
+
+    async def action_quit(self) -> None:
+        self.stop_requested.set()  # the worker then ends after the current step instead of the whole answer
+        self.exit()
+
+
+def run(args) -> int:
+    """`dflash-local tui`: load the pair (the default gemma target without --model), then run the app."""
+    from .. import _native
+    from ..engine import Engine
+    from ..gguf_file import GGUFError
+    from ..models import default_target
+
+    try:
+        model = args.model or default_target()
+        draft = None if args.no_draft else args.draft
+        print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
+              file=sys.stderr)  # fmt: skip
+        engine = Engine(
+            model,
+            draft,
+            n_ctx=args.ctx_size,
+            n_gpu_layers=args.n_gpu_layers,
+            n_threads=args.threads,
+            block_size=args.block_size,
+            capture=args.capture,
+            flash_attn=args.flash_attn,
+            repack=args.repack,
+            verbose=args.verbose,
+        )
+    except (GGUFError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"dflash-local: error: {e}", file=sys.stderr)
+        return 2
+    _native.set_verbose(False)  # -v shows the loading log; during the app llama.cpp's log would tear the screen
+    ChatApp(engine, n_gpu_layers=args.n_gpu_layers).run()
+    return 0
