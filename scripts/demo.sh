@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then generate on the default gemma-3-270m Q4_K_M target, offline: once with DFlash
-# drafting and once plain, and check that both give the same tokens.
+# Set up (scripts/setup.sh), then open the TUI on the default pair (gemma-3-270m Q4_K_M target), offline. Without a
+# terminal (or with DEMO=generate) it generates once with DFlash and once plain and checks the tokens are the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=gemma bash scripts/setup.sh
@@ -9,6 +9,10 @@ EXTRAS=gemma bash scripts/setup.sh
 # it shows the whole pipeline and its losslessness, not a speedup.
 drafter=models/gemma-3-270m-dflash-untrained.gguf
 [ -f "$drafter" ] || dflash-local init-drafter --target-layers 3 --block-size 4 -o "$drafter"
+if [ -t 0 ] && [ -t 1 ] && [ "${DEMO:-tui}" = tui ]; then
+    exec dflash-local tui -d "$drafter"
+fi
+# not on a terminal (or DEMO=generate): a one-shot comparison instead of the TUI
 prompt=${1:-"The history of the printing press"}
 dflash-local generate -d "$drafter" -p "$prompt" -n 64 --json > /tmp/dflash-demo-draft.json
 dflash-local generate --no-draft -p "$prompt" -n 64 --json > /tmp/dflash-demo-plain.json
