@@ -7,18 +7,13 @@ drafts nothing useful by itself.
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from ..gguf_file import ArrayInfo, read_gguf
-
-# targets whose GGUF tokenizer has no mask token get one of their unused special tokens
-_MASK_CANDIDATES = ("<mask>", "<|mask|>", "[MASK]", "<unused0>", "<|reserved_special_token_0|>")
+from .gguf_out import noise_embedding_scale, tokenizer_kv, write_gguf_atomic  # write_gguf_atomic: tests import it here
 
 
 def default_target_layers(n_layer: int, k: int) -> list[int]:
@@ -28,53 +23,6 @@ def default_target_layers(n_layer: int, k: int) -> list[int]:
     else:
         ids = [round(1 + i * (n_layer - 4) / (k - 1)) for i in range(k)]
     return [i + 1 for i in ids]
-
-
-def write_gguf_atomic(path: str | os.PathLike, arch: str, fill) -> Path:
-    """Build a GGUF through fill(writer) in a temporary file beside `path`, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, arch)
-        fill(w)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def tokenizer_kv(target_path, mask_token_id: int | None = None) -> list[tuple]:
-    """The target's tokenizer.* metadata as (key, value, type, array element type), with a mask token set."""
-    info = read_gguf(target_path, full_arrays="tokenizer.")
-    out = []
-    for key, value in info.kv.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = gguf.GGUFValueType(info.types[key])
-        if isinstance(value, ArrayInfo):
-            out.append((key, value.values, vtype, gguf.GGUFValueType(value.type)))
-        else:
-            out.append((key, value, vtype, None))
-    if mask_token_id is None:
-        mask_token_id = info.kv.get("tokenizer.ggml.mask_token_id")
-    if mask_token_id is None:
-        tokens = info.kv["tokenizer.ggml.tokens"].values
-        mask_token_id = next((tokens.index(t) for t in _MASK_CANDIDATES if t in tokens), None)
-        if mask_token_id is None:
-            raise ValueError(f"{target_path}: the tokenizer has no mask token; pass one explicitly")
-    out = [kv for kv in out if kv[0] != "tokenizer.ggml.mask_token_id"]
-    out.append(("tokenizer.ggml.mask_token_id", int(mask_token_id), gguf.GGUFValueType.UINT32, None))
-    return out
 
 
 def init_drafter(
@@ -133,9 +81,9 @@ def init_drafter(
         w.add_key_value("dflash.target_layers", list(target_layers), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
         w.add_uint32("dflash.block_size", block_size)
         w.add_bool("dflash.attention.causal", False)
-        if arch.startswith("gemma"):
-            # gemma scales its token embeddings by sqrt(hidden); the drafter's noise embeddings must match
-            w.add_float32("dflash.embedding_scale", math.sqrt(n_embd))
+        scale = noise_embedding_scale(arch, n_embd)
+        if scale is not None:
+            w.add_float32("dflash.embedding_scale", scale)
         for key, value, vtype, sub in tok:
             w.add_key_value(key, value, vtype, sub)
         w.add_tensor("fc.weight", linear(n_embd, len(target_layers) * n_embd))

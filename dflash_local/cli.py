@@ -202,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
     b.set_defaults(func=cmd_bench)
 
+    from .convert.hf_to_gguf import add_convert_args, run_convert
+    from .convert.inspect_gguf import add_inspect_args, run_inspect
+
+    c = sub.add_parser("convert", help="convert a z-lab DFlash drafter (folder or Hub id) to GGUF for a target GGUF")
+    add_convert_args(c)
+    c.set_defaults(func=run_convert)
+    i = sub.add_parser("inspect", help="print a GGUF file's metadata, tensors and types")
+    add_inspect_args(i)
+    i.set_defaults(func=run_inspect)
+
     d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
     d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
     d.add_argument("-o", "--output", required=True, help="drafter GGUF to write")

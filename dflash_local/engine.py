@@ -10,13 +10,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import _native, chat
 from .gguf_file import read_gguf
 from .sampling import SamplingParams
 from .stats import StatsTracker, StepStats, Summary
 from .textstream import TextStream
-from .validate import check_pair, check_target
+from .validate import DraftSpec, check_pair, check_target
 
 
 PREFILL_CHUNK = 512  # the native batch size
@@ -92,14 +93,22 @@ class Engine:
         _native.set_verbose(verbose)
         self.target_info = read_gguf(model)
         check_target(self.target_info)
-        self.draft_info = read_gguf(draft) if draft else None
-        self.spec = check_pair(self.target_info, self.draft_info) if self.draft_info else None
+        self.draft_info = None  # the drafter GGUF's header; a z-lab checkpoint folder has none
+        self.spec = None
+        if draft and Path(draft).is_dir():
+            if draft_backend != "torch":
+                raise ValueError(f"{draft} is a checkpoint folder: run it with draft_backend='torch', or convert it "
+                                 f"to GGUF for the llama.cpp drafter (dflash-local convert)")
+        elif draft:
+            self.draft_info = read_gguf(draft)
+            self.spec = check_pair(self.target_info, self.draft_info)
 
         n_ctx_train = self.target_info.get("context_length") or n_ctx
         if n_ctx < 8:
             raise ValueError(f"n_ctx must be at least 8, got {n_ctx}")
         self.n_ctx = min(n_ctx, n_ctx_train)
         self.n_threads = n_threads or os.cpu_count() or 1
+        self.draft_path = draft
         self.target = _native.Model(str(model), n_gpu_layers, repack)
         self.drafter = None  # the llama.cpp drafter
         self.torch_drafter = None
@@ -108,7 +117,9 @@ class Engine:
         elif draft:
             from .torch_drafter import TorchDraftBackend, pick_device
 
-            self.torch_drafter = TorchDraftBackend.from_gguf(draft, model, pick_device(draft_device))
+            self.torch_drafter = TorchDraftBackend.load(draft, model, pick_device(draft_device))
+            sh = self.torch_drafter.model.shape
+            self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token)
 
         layers = self.spec.layers if self.spec else []
         arch = self.target_info.arch
@@ -165,14 +176,14 @@ class Engine:
             info["draft_backend"] = f"torch ({self.torch_drafter.device})"
         elif self.drafter is not None:
             info["draft_backend"] = "ggml"
-        if self.draft_info:
+        if self.spec:
             d = self.draft_info
             info["drafter"] = {
-                "path": str(d.path),
-                "arch": d.arch,
-                "quant": _file_type(d),
-                "size_bytes": d.path.stat().st_size,
-                "n_layer": d.get("block_count"),
+                "path": str(self.draft_path),
+                "arch": d.arch if d else "DFlashDraftModel (checkpoint)",
+                "quant": _file_type(d) if d else "safetensors",
+                "size_bytes": d.path.stat().st_size if d else 0,
+                "n_layer": d.get("block_count") if d else self.torch_drafter.model.shape.n_layer,
                 "target_layers": self.spec.layers,
                 "trained_block_size": self.spec.block_size,
             }

@@ -12,7 +12,9 @@ a z-lab checkpoint (renamed by the converter's reader) and a (dequantized) DFlas
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -142,11 +144,47 @@ def shape_from_gguf(info) -> DraftShape:
     )
 
 
+def _full_vocab_only(names, where) -> None:
+    if "d2t" in names or "output.weight" in names:
+        raise ValueError(f"{where}: drafters with a reduced draft vocabulary run on the llama.cpp backend only")
+
+
 def load_gguf_drafter(path) -> DFlashDrafter:
     info = read_gguf(path)
+    _full_vocab_only(info.tensors, path)
     shape = shape_from_gguf(info)
     names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output_norm", "blk."))]
     return DFlashDrafter(shape, {n: _dequantized(info, n) for n in names})
+
+
+def load_zlab_drafter(path, target_info) -> DFlashDrafter:
+    """A z-lab checkpoint folder (safetensors, any dtype), checked against the target GGUF's metadata."""
+    from .convert.gguf_out import noise_embedding_scale
+    from .convert.hf_to_gguf import check_against_target
+    from .convert.safetensors_file import read_tensor
+    from .convert.zlab_checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path)
+    c = ck.config
+    _full_vocab_only({t.name for t in ck.tensors}, path)
+    mask = check_against_target(c, target_info, warn=lambda msg: print(f"dflash-local: {msg}", file=sys.stderr))
+    if mask is None:
+        raise ValueError(f"{path}: no mask token in dflash_config or in the target's tokenizer")
+    shape = DraftShape(
+        n_embd=c.hidden,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_head_kv=c.n_head_kv,
+        head_dim=c.head_dim,
+        rms_eps=c.rms_eps,
+        rope_theta=c.rope_theta,
+        target_layers=[i + 1 for i in c.target_layer_ids],
+        block_size=c.block_size,
+        mask_token=int(mask),
+        embedding_scale=noise_embedding_scale(target_info.arch, c.hidden, c.embedding_scale) or 1.0,
+        causal=c.causal,
+    )
+    return DFlashDrafter(shape, {t.name: read_tensor(t.src) for t in ck.tensors if t.src is not None})
 
 
 class TorchDraftBackend:
@@ -163,9 +201,10 @@ class TorchDraftBackend:
         self.n = 0
 
     @classmethod
-    def from_gguf(cls, draft_path, target_path, device: str = "cpu") -> TorchDraftBackend:
-        model = load_gguf_drafter(draft_path)
+    def load(cls, draft_path, target_path, device: str = "cpu") -> TorchDraftBackend:
+        """From a DFlash GGUF or a z-lab checkpoint folder; embeddings and LM head come from the target GGUF."""
         t = read_gguf(target_path)
+        model = load_zlab_drafter(draft_path, t) if Path(draft_path).is_dir() else load_gguf_drafter(draft_path)
         embed = _dequantized(t, "token_embd.weight")
         head = _dequantized(t, "output.weight") if "output.weight" in t.tensors else embed
         return cls(model, embed, head, device)

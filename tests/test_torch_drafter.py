@@ -95,3 +95,33 @@ def test_missing_devices_are_clear_errors():
         with pytest.raises(ValueError, match="no Metal device"):
             pick_device("mps")
     assert pick_device("cpu") == "cpu"
+
+
+def test_torch_from_safetensors_matches_ggml_from_the_converted_gguf(tmp_path, tiny_target):
+    from zlab import write_checkpoint, zlab_config
+
+    from dflash_local.convert.hf_to_gguf import convert_drafter
+    from dflash_local.gguf_file import read_gguf
+
+    info = read_gguf(tiny_target)
+    cfg = zlab_config(hidden=64, n_layer=2, n_head=4, n_kv=2, head_dim=32, n_ff=96, target_layer_ids=[0, 2],
+                      num_target_layers=4, vocab_size=info.n_vocab,
+                      mask_token_id=info.kv["tokenizer.ggml.mask_token_id"], block_size=8)
+    ckpt = write_checkpoint(tmp_path / "zlab-DFlash", cfg, n_shards=2, dtype="F32")
+    gguf_path = convert_drafter(ckpt, tiny_target, tmp_path / "drafter-f32.gguf", "f32").path
+    for prompt in ("def add(a, b):", "Speculative decoding is"):
+        ggml, _ = draft_logits_both(tiny_target, gguf_path, prompt, 7)
+        t = Engine(tiny_target, ckpt, n_ctx=512, draft_backend="torch")  # the checkpoint folder itself
+        sp = _native.Sampling()
+        ids = t.prompt_tokens(prompt)
+        first = t.session.prefill(ids, sp, 0)
+        t.torch_drafter.add(t.session.features(), 0)
+        ref = t.torch_drafter.logits(first, 7).numpy()
+        rel = np.abs(ggml - ref).max(axis=1) / np.abs(ref).max(axis=1)
+        assert rel.max() < 1e-4
+    e = Engine(tiny_target, ckpt, n_ctx=512, draft_backend="torch")
+    assert e.model_info()["drafter"]["quant"] == "safetensors"
+    for p in make_prompts(5, seed=21):
+        assert e.complete(p, max_tokens=20).token_ids == e.complete(p, max_tokens=20, draft=False).token_ids
+    with pytest.raises(ValueError, match="checkpoint folder"):
+        Engine(tiny_target, ckpt)

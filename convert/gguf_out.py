@@ -1,0 +1,88 @@
+"""Writing GGUF files safely: into a temporary file beside the destination, renamed into place only when complete.
+
+Shared by init_drafter (small drafters built in memory) and the HF converter (tensors streamed one at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import gguf
+
+from ..gguf_file import ArrayInfo, read_gguf
+
+# targets whose GGUF tokenizer has no mask token get one of their unused special tokens
+_MASK_CANDIDATES = ("<mask>", "<|mask|>", "[MASK]", "<unused0>", "<|reserved_special_token_0|>")
+
+
+def noise_embedding_scale(target_arch: str, hidden: int, given: float | None = None) -> float | None:
+    """Scale for the drafter's noise embeddings, which come from the target's embedding table. Gemma multiplies its
+    embeddings by sqrt(hidden) inside the model, not in the GGUF tensor, so its drafters must do the same."""
+    if given is None and target_arch.startswith("gemma"):
+        return math.sqrt(hidden)
+    return given
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, suffix: str = ".part"):
+    """Yield a temporary path in the destination's folder; on success it replaces `path`, on any failure it goes.
+
+    A reader never sees a half-written file at `path`, and an interrupted run leaves nothing behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_gguf_atomic(path: str | os.PathLike, arch: str, fill) -> Path:
+    """Build a GGUF through fill(writer) in a temporary file beside `path`, then rename it into place."""
+    path = Path(path)
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        try:
+            fill(w)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
+    return path
+
+
+def tokenizer_kv(target_path, mask_token_id: int | None = None) -> list[tuple]:
+    """The target's tokenizer.* metadata as (key, value, type, array element type), with a mask token set.
+
+    mask_token_id overrides the target's own; without either, an unused special token of the target is taken."""
+    info = read_gguf(target_path, full_arrays="tokenizer.")
+    out = []
+    for key, value in info.kv.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(info.types[key])
+        if isinstance(value, ArrayInfo):
+            out.append((key, value.values, vtype, gguf.GGUFValueType(value.type)))
+        else:
+            out.append((key, value, vtype, None))
+    if mask_token_id is None:
+        mask_token_id = info.kv.get("tokenizer.ggml.mask_token_id")
+    if mask_token_id is None:
+        tokens = info.kv["tokenizer.ggml.tokens"].values
+        mask_token_id = next((tokens.index(t) for t in _MASK_CANDIDATES if t in tokens), None)
+        if mask_token_id is None:
+            raise ValueError(f"{target_path}: the tokenizer has no mask token; pass one explicitly")
+    out = [kv for kv in out if kv[0] != "tokenizer.ggml.mask_token_id"]
+    out.append(("tokenizer.ggml.mask_token_id", int(mask_token_id), gguf.GGUFValueType.UINT32, None))
+    return out
