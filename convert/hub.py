@@ -16,8 +16,9 @@ ALLOW_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_source(source: str, revision: str | None = None) -> Path:
-    """A local checkpoint directory as it is; anything shaped like 'org/name' that is not a directory from the Hub."""
+def resolve_source(source: str, revision: str | None = None, allow_patterns=ALLOW_PATTERNS) -> Path:
+    """A local checkpoint directory as it is; anything shaped like 'org/name' that is not a directory from the Hub
+    (only the files matching allow_patterns)."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -34,7 +35,7 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
             f"(pip install huggingface_hub)"
         ) from None
     try:
-        return Path(snapshot_download(source, revision=revision, allow_patterns=ALLOW_PATTERNS))
+        return Path(snapshot_download(source, revision=revision, allow_patterns=allow_patterns))
     except RepositoryNotFoundError:
         raise ConvertError(
             f"{source}: no such repository on the Hugging Face Hub (or it is private: set HF_TOKEN)"

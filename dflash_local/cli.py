@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     add_inspect_args(i)
     i.set_defaults(func=run_inspect)
 
+    from .pull import add_pull_args, run_pull
+
+    pl = sub.add_parser("pull", help="download a known target GGUF and its DFlash drafter, convert the drafter")
+    add_pull_args(pl)
+    pl.set_defaults(func=run_pull)
+
     d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
     d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
     d.add_argument("-o", "--output", required=True, help="drafter GGUF to write")
