@@ -12,6 +12,7 @@ import argparse
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -34,8 +35,9 @@ def free_port() -> int:
 
 def run(model_args: list[str], n: int, max_tokens: int, label: str) -> dict:
     port = free_port()
+    # run from a neutral folder: in the repository root `-m dflash_local` would find the unbuilt source tree
     proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", "--port", str(port), *model_args],
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
