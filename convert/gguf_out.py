@@ -19,6 +19,33 @@ from ..gguf_file import ArrayInfo, read_gguf
 _MASK_CANDIDATES = ("<mask>", "<|mask|>", "[MASK]", "<unused0>", "<|reserved_special_token_0|>")
 
 
+def add_model_hparams(w: gguf.GGUFWriter, *, n_ctx, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim, rms_eps,
+                      rope_theta) -> None:
+    """The Qwen3-style transformer hyperparameters, under the writer's architecture."""
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_theta)
+
+
+def add_dflash_keys(w: gguf.GGUFWriter, target_layers: list[int], block_size: int, causal: bool,
+                    embedding_scale: float | None) -> None:
+    """The keys llama.cpp's dflash loader reads (gguf-py has no helpers for them)."""
+    # layer-INPUT indices: z-lab's "output of layer i" is the input of layer i + 1
+    w.add_key_value("dflash.target_layers", [int(i) for i in target_layers], gguf.GGUFValueType.ARRAY,
+                    gguf.GGUFValueType.INT32)
+    w.add_uint32("dflash.block_size", block_size)
+    w.add_bool("dflash.attention.causal", causal)
+    if embedding_scale is not None:
+        w.add_float32("dflash.embedding_scale", float(embedding_scale))
+
+
 def noise_embedding_scale(target_arch: str, hidden: int, given: float | None = None) -> float | None:
     """Scale for the drafter's noise embeddings, which come from the target's embedding table. Gemma multiplies its
     embeddings by sqrt(hidden) inside the model, not in the GGUF tensor, so its drafters must do the same."""

@@ -24,7 +24,7 @@ from ..gguf_file import GGUFError, GGUFInfo, read_gguf
 from ..validate import PairError, check_pair
 from .draft_vocab import read_token_ids, target_head_rows
 from .errors import ConvertError
-from .gguf_out import atomic_output, noise_embedding_scale, tokenizer_kv
+from .gguf_out import add_dflash_keys, add_model_hparams, atomic_output, noise_embedding_scale, tokenizer_kv
 from .hub import resolve_source
 from .outtypes import OUTTYPES, OutType, encode, tensor_nbytes, tensor_type
 from .safetensors_file import read_tensor
@@ -94,16 +94,9 @@ def _add_metadata(w: gguf.GGUFWriter, c: DrafterConfig, target: GGUFInfo, name: 
     w.add_file_type(int(file_type))
     if file_type not in (gguf.LlamaFileType.ALL_F32, gguf.LlamaFileType.MOSTLY_F16, gguf.LlamaFileType.MOSTLY_BF16):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(c.context_length or target.get("context_length") or 4096)
-    w.add_embedding_length(c.hidden)
-    w.add_feed_forward_length(c.n_ff)
-    w.add_block_count(c.n_layer)
-    w.add_head_count(c.n_head)
-    w.add_head_count_kv(c.n_head_kv)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_rope_freq_base(c.rope_theta)
+    add_model_hparams(w, n_ctx=c.context_length or target.get("context_length") or 4096, n_embd=c.hidden,
+                      n_ff=c.n_ff, n_layer=c.n_layer, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
+                      rms_eps=c.rms_eps, rope_theta=c.rope_theta)
     if c.n_rot is not None:
         w.add_rope_dimension_count(c.n_rot)
     s = c.rope_scaling
@@ -118,18 +111,12 @@ def _add_metadata(w: gguf.GGUFWriter, c: DrafterConfig, target: GGUFInfo, name: 
             w.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
         else:
             raise ConvertError(f"config.json: RoPE scaling {kind!r} is not supported for DFlash drafters")
-    # the keys llama.cpp's dflash loader reads (gguf-py 0.19 has no helpers for them yet)
-    w.add_key_value("dflash.target_layers", [i + 1 for i in c.target_layer_ids], gguf.GGUFValueType.ARRAY,
-                    gguf.GGUFValueType.INT32)  # layer-INPUT indices: z-lab's "output of layer i" is input of i + 1
-    w.add_uint32("dflash.block_size", c.block_size)
-    w.add_bool("dflash.attention.causal", c.causal)
+    add_dflash_keys(w, [i + 1 for i in c.target_layer_ids], c.block_size, c.causal,
+                    noise_embedding_scale(target.arch, c.hidden, c.embedding_scale))
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
         w.add_key_value("dflash.attention.sliding_window_pattern", c.swa_layers, gguf.GGUFValueType.ARRAY,
                         gguf.GGUFValueType.BOOL)
-    scale = noise_embedding_scale(target.arch, c.hidden, c.embedding_scale)
-    if scale is not None:
-        w.add_float32("dflash.embedding_scale", float(scale))
     if c.logit_scale is not None:
         w.add_float32("dflash.logit_scale", float(c.logit_scale))
     if c.logit_softcap:

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 
 from ..gguf_file import ArrayInfo, read_gguf
-from .gguf_out import noise_embedding_scale, tokenizer_kv, write_gguf_atomic  # write_gguf_atomic: tests import it here
+from .gguf_out import add_dflash_keys, add_model_hparams, noise_embedding_scale, tokenizer_kv, write_gguf_atomic  # write_gguf_atomic: tests import it here
 
 
 def default_target_layers(n_layer: int, k: int) -> list[int]:
@@ -67,23 +67,12 @@ def init_drafter(
 
     def fill(w):
         w.add_name(f"dflash drafter (untrained) for {t.kv.get('general.name', arch)}")
-        w.add_context_length(t.get("context_length") or 4096)
-        w.add_embedding_length(n_embd)
-        w.add_feed_forward_length(n_ff)
-        w.add_block_count(n_layer)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-        w.add_layer_norm_rms_eps(t.get("attention.layer_norm_rms_epsilon") or 1e-6)
-        w.add_rope_freq_base(t.get("rope.freq_base") or 10000.0)
+        add_model_hparams(w, n_ctx=t.get("context_length") or 4096, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
+                          n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                          rms_eps=t.get("attention.layer_norm_rms_epsilon") or 1e-6,
+                          rope_theta=t.get("rope.freq_base") or 10000.0)
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
-        w.add_key_value("dflash.target_layers", list(target_layers), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-        w.add_uint32("dflash.block_size", block_size)
-        w.add_bool("dflash.attention.causal", False)
-        scale = noise_embedding_scale(arch, n_embd)
-        if scale is not None:
-            w.add_float32("dflash.embedding_scale", scale)
+        add_dflash_keys(w, target_layers, block_size, False, noise_embedding_scale(arch, n_embd))
         for key, value, vtype, sub in tok:
             w.add_key_value(key, value, vtype, sub)
         w.add_tensor("fc.weight", linear(n_embd, len(target_layers) * n_embd))

@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from dflash_local.convert.gguf_out import add_model_hparams
 from dflash_local.convert.init_drafter import init_drafter, write_gguf_atomic
 
 VOCAB_SIZE = 512  # upper bound; the corpus runs out of repeated pairs a bit earlier
@@ -209,17 +210,8 @@ def _add_layer(w, init: _Init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gai
     w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff, gain))
 
 
-def _add_hparams(w, *, n_ctx, n_embd, n_ff, n_layer, n_head, n_head_kv, head_dim):
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_block_count(n_layer)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(RMS_EPS)
-    w.add_rope_freq_base(ROPE_BASE)
+def _add_hparams(w, **shape):
+    add_model_hparams(w, **shape, rms_eps=RMS_EPS, rope_theta=ROPE_BASE)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
