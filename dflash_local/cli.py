@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .gguf_file import GGUFError
 
@@ -34,9 +35,12 @@ def _load_engine(args):
     from .models import default_target
 
     model = args.model or default_target()
+    draft = None if args.no_draft else args.draft
+    print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
+          file=sys.stderr)
     return Engine(
         model,
-        None if args.no_draft else args.draft,
+        draft,
         n_ctx=args.ctx_size,
         n_gpu_layers=args.n_gpu_layers,
         n_threads=args.threads,
@@ -121,8 +125,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from pathlib import Path
-
     from .models import default_target
     from .server import serve
 
@@ -135,7 +137,7 @@ def cmd_serve(args) -> int:
 def cmd_tui(args) -> int:
     from .tui.app import run
 
-    return run(args)
+    return run(_load_engine(args), args.n_gpu_layers)
 
 
 def cmd_bench(args) -> int:

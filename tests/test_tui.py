@@ -1,15 +1,15 @@
 """The Textual TUI, driven by Pilot on the real app: the tiny engine for behaviour, scripted events for the picture."""
 
-import argparse
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 
 import pytest
 
 from dflash_local import Engine, Finished, StepStats, TextDelta
 from dflash_local.stats import StatsTracker
-from dflash_local.tui import app as tui_app
 from dflash_local.tui.app import ChatApp, Message
 from dflash_local.tui.panels import LivePanel, ModelPanel, devices, position_bars
 from dflash_local.tui.settings import Settings, SettingsScreen
@@ -374,14 +374,13 @@ def test_model_panel_devices():
     assert devices(info | {"gpu_offload": True}, 10) == "GPU 10 layers + CPU"
 
 
-def test_run_reports_a_bad_model_without_a_traceback(tmp_path, capsys):
+def test_tui_command_reports_a_bad_model_without_a_traceback(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf")
-    args = argparse.Namespace(model=str(bad), draft=None, no_draft=False, ctx_size=256, block_size=None,
-                              n_gpu_layers=0, threads=None, verbose=False, flash_attn=False, repack=False,
-                              capture="auto")  # fmt: skip
-    assert tui_app.run(args) == 2
-    assert capsys.readouterr().err.splitlines()[-1].startswith("dflash-local: error:")
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "tui", "-m", str(bad)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1].startswith("dflash-local: error:") and "Traceback" not in r.stderr
 
 
 def test_main_screen_snapshot(snap_compare):

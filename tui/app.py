@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 from rich.text import Text
@@ -294,33 +292,10 @@ class ChatApp(App):
         self.exit()
 
 
-def run(args) -> int:
-    """`dflash-local tui`: load the pair (the default gemma target without --model), then run the app."""
+def run(engine, n_gpu_layers: int = 0) -> int:
+    """`dflash-local tui` on a loaded engine (the CLI loads it, with the default gemma target without --model)."""
     from .. import _native
-    from ..engine import Engine
-    from ..gguf_file import GGUFError
-    from ..models import default_target
 
-    try:
-        model = args.model or default_target()
-        draft = None if args.no_draft else args.draft
-        print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
-              file=sys.stderr)  # fmt: skip
-        engine = Engine(
-            model,
-            draft,
-            n_ctx=args.ctx_size,
-            n_gpu_layers=args.n_gpu_layers,
-            n_threads=args.threads,
-            block_size=args.block_size,
-            capture=args.capture,
-            flash_attn=args.flash_attn,
-            repack=args.repack,
-            verbose=args.verbose,
-        )
-    except (GGUFError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"dflash-local: error: {e}", file=sys.stderr)
-        return 2
     _native.set_verbose(False)  # -v shows the loading log; during the app llama.cpp's log would tear the screen
-    ChatApp(engine, n_gpu_layers=args.n_gpu_layers).run()
+    ChatApp(engine, n_gpu_layers=n_gpu_layers).run()
     return 0
