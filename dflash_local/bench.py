@@ -1,7 +1,8 @@
 """`dflash-local bench`: baseline vs DFlash on a prompt set, in one process, with the costs that explain the result.
 
-Per prompt and overall: baseline and DFlash tokens/s, speedup, mean acceptance length tau, acceptance per block
-position; the target's verify cost T(k) for k = 1..B, the draft cost, and the ideal speedup they imply
+Per prompt and overall: baseline and DFlash tokens/s (with the adaptive draft length, the default, and with full
+blocks), speedup, mean acceptance length tau and acceptance per block position (of the full-block runs, where every
+position is tried); the target's verify cost T(k) for k = 1..B, the draft cost, and the ideal speedup they imply
 (tau * T(1) / (T(B) + draft)); llama-cpp-python's prompt-lookup decoding as a peer row. Greedy outputs must be
 token-identical to the baseline: any mismatch fails the run.
 """
@@ -88,6 +89,9 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     for i, row in enumerate(prompts):
         kw = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
         base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
+        engine.draft_policy = "fixed"
+        fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True)
+        engine.draft_policy = "auto"
         spec = engine.complete(**kw, max_tokens=max_tokens, draft=True)
         s = spec.summary
         r = {
@@ -100,8 +104,10 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             "acceptance_rate": s.acceptance_rate,
             "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
             "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
-            "lossless": spec.token_ids == base.token_ids,
-            "_summary": s,
+            "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
+            "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
+            "lossless": spec.token_ids == base.token_ids == fixed.token_ids,
+            "_summary": fixed.summary,
         }
         if peer:
             r["prompt_lookup_tokens_per_second"] = prompt_lookup_speed(
@@ -117,14 +123,18 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     steps = sum(s.steps for s in sums)
     drafted = [sum(s.drafted_at[k] for s in sums) for k in range(block - 1)]
     accepted = [sum(s.accepted_at[k] for s in sums) for k in range(block - 1)]
-    base_time = sum(r["tokens"] / r["baseline_tokens_per_second"] for r in rows if r["baseline_tokens_per_second"])
-    spec_time = sum(r["tokens"] / r["dflash_tokens_per_second"] for r in rows if r["dflash_tokens_per_second"])
+    def seconds(key):
+        return sum(r["tokens"] / r[key] for r in rows if r[key])
+
+    base_time, spec_time = seconds("baseline_tokens_per_second"), seconds("dflash_tokens_per_second")
+    fixed_time = seconds("dflash_fixed_tokens_per_second")
     n_tokens = sum(r["tokens"] for r in rows)
     tau = (sum(s.n_accepted for s in sums) + steps) / steps if steps else 0.0
     draft_ms = sum(s.draft_ms for s in sums) / steps if steps else 0.0
     overall = {
         "baseline_tokens_per_second": n_tokens / base_time if base_time else 0.0,
         "dflash_tokens_per_second": n_tokens / spec_time if spec_time else 0.0,
+        "dflash_fixed_tokens_per_second": n_tokens / fixed_time if fixed_time else 0.0,
         "mean_acceptance_length": tau,
         "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
         "verify_ms": curve,
@@ -136,8 +146,9 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         "max_tokens": max_tokens,
         "model": engine.model_info(),
     }
-    overall["speedup"] = (overall["dflash_tokens_per_second"] / overall["baseline_tokens_per_second"]
-                          if overall["baseline_tokens_per_second"] else 0.0)
+    base_speed = overall["baseline_tokens_per_second"]
+    overall["speedup"] = overall["dflash_tokens_per_second"] / base_speed if base_speed else 0.0
+    overall["speedup_fixed"] = overall["dflash_fixed_tokens_per_second"] / base_speed if base_speed else 0.0
     if peer:
         overall["prompt_lookup_tokens_per_second"] = statistics.mean(r["prompt_lookup_tokens_per_second"]
                                                                      for r in rows)
@@ -147,14 +158,16 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
 def markdown(result: dict) -> str:
     o = result["overall"]
     peer = "prompt_lookup_tokens_per_second" in o
-    head = "| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | tau |" + (" prompt lookup tok/s |" if peer else "")
+    head = ("| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | fixed-block DFlash tok/s | tau (fixed) |"
+            + (" prompt lookup tok/s |" if peer else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         lines.append(f"| {r['prompt'][:40]!r} | {r['tokens']} | {r['baseline_tokens_per_second']:.1f} | "
-                     f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | {r['mean_acceptance_length']:.2f} |"
+                     f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['dflash_fixed_tokens_per_second']:.1f} | {r['fixed_mean_acceptance_length']:.2f} |"
                      + (f" {r['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
-                 f"{o['speedup']:.2f} | {o['mean_acceptance_length']:.2f} |"
+                 f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
                  + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "

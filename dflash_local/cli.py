@@ -21,6 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="run the drafter in llama.cpp (ggml, default) or in PyTorch (torch)")
     p.add_argument("--draft-device", choices=["cpu", "cuda", "mps"], default="cpu",
                    help="device of the PyTorch drafter (with --draft-backend torch)")
+    p.add_argument("--draft-policy", choices=["auto", "fixed"], default="auto",
+                   help="auto (default): draft as many tokens as a cost model expects to be fastest; fixed: full blocks")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target/drafter layers on the GPU (-1: all)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--flash-attn", action="store_true", help="flash attention for the target (faster on GPUs; "
@@ -48,6 +50,7 @@ def _load_engine(args):
         capture=args.capture,
         draft_backend=args.draft_backend,
         draft_device=args.draft_device,
+        draft_policy=args.draft_policy,
         flash_attn=args.flash_attn,
         repack=args.repack,
         verbose=args.verbose,

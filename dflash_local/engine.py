@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import _native, chat
 from .gguf_file import read_gguf
+from .policy import DraftPolicy
 from .sampling import SamplingParams
 from .stats import StatsTracker, StepStats, Summary
 from .textstream import TextStream
@@ -73,6 +74,7 @@ class Engine:
         capture: str = "auto",
         draft_backend: str = "ggml",
         draft_device: str = "cpu",
+        draft_policy: str = "auto",
         flash_attn: bool = False,
         repack: bool = False,
         verbose: bool = False,
@@ -82,12 +84,17 @@ class Engine:
         draft_backend: 'ggml' runs the drafter in llama.cpp; 'torch' runs it in PyTorch on draft_device (cuda, mps
         or cpu) beside the llama.cpp target.
 
+        draft_policy: 'auto' drafts, at each step, the number of tokens a cost model expects to be fastest
+        (policy.py); 'fixed' always drafts a full block.
+
         flash_attn and repack select faster CPU kernels for the target that round differently for a verify batch
         than for a single token, so greedy output may then differ from plain decoding where two tokens nearly tie.
         Both are off by default: verification is then bit-exact on CPUs.
         """
         if capture not in ("auto", "layer_api", "callback"):
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
+        if draft_policy not in ("auto", "fixed"):
+            raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
         if draft_backend not in ("ggml", "torch"):
             raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
         _native.set_verbose(verbose)
@@ -140,6 +147,8 @@ class Engine:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = min(block_size or trained, trained)
+        self.draft_policy = draft_policy
+        self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
         self._cached: list[int] = []  # the tokens in the target's KV cache, in order
         self._draft_valid = 0  # how many of them the drafter's cache holds features for
         self._lock = threading.Lock()
@@ -265,7 +274,7 @@ class Engine:
         s = self.session
         sampling = params.native()
         drafting = draft and (self.has_drafter or external_drafter is not None)
-        n_draft = self.block_size - 1 if drafting else 0
+        policy = self._policy_for(self.block_size - 1 if drafting else 0)
         stream = TextStream(stop)
         tracker = StatsTracker(max(self.block_size, 2) if drafting else 1)
         out: list[int] = []  # emitted tokens
@@ -318,7 +327,7 @@ class Engine:
                     finish = "context_full"
                     break
                 t_step = time.perf_counter()
-                want = min(n_draft, max_tokens - len(out) - 1)  # drafts past max_tokens would be thrown away
+                want = min(policy.choose(), max_tokens - len(out) - 1)  # drafts past max_tokens would be wasted
                 forced, torch_ms, p0 = None, 0.0, s.n_past
                 if external_drafter is not None and want > 0:
                     forced = list(external_drafter(ids + produced, want))[:want]
@@ -349,6 +358,7 @@ class Engine:
                     other_ms=max(wall_ms - r.draft_ms - torch_ms - r.verify_ms, 0.0),
                 )
                 tracker.add(stats)
+                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms)
                 if text:
                     yield TextDelta(text)
                 yield stats
@@ -369,6 +379,14 @@ class Engine:
             self._cached = (ids + produced)[: s.n_past]
             if drafting:
                 self._draft_valid = s.n_past if td is None else min(s.n_past, td.n)
+
+    def _policy_for(self, max_draft: int) -> DraftPolicy:
+        adaptive = self.draft_policy == "auto"
+        if max_draft == 0:
+            return DraftPolicy(0)
+        if self._policy is None or (self._policy.max_draft, self._policy.adaptive) != (max_draft, adaptive):
+            self._policy = DraftPolicy(max_draft, adaptive)
+        return self._policy
 
     def complete(self, *args, **kwargs) -> Finished:
         """Run generate() to the end and return its Finished event."""

@@ -46,7 +46,8 @@ def tiny_drafter(models_dir, tiny_target):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_target, tiny_drafter):
-    return Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    # full blocks every step: the tests below count on every acceptance length being tried
+    return Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
 
 
 @pytest.fixture(scope="session")
@@ -64,4 +65,4 @@ def gemma_drafter(models_dir, gemma_target):
 
 @pytest.fixture(scope="session")
 def gemma_engine(gemma_target, gemma_drafter):
-    return Engine(gemma_target, gemma_drafter, n_ctx=2048)
+    return Engine(gemma_target, gemma_drafter, n_ctx=2048, draft_policy="fixed")

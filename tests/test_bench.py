@@ -17,7 +17,8 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     o = result["overall"]
-    for key in ("baseline_tokens_per_second", "dflash_tokens_per_second", "speedup", "mean_acceptance_length",
+    for key in ("baseline_tokens_per_second", "dflash_tokens_per_second", "dflash_fixed_tokens_per_second",
+                "speedup", "speedup_fixed", "mean_acceptance_length",
                 "lossless", "verify_ms", "draft_ms_per_step", "ideal_speedup", "prompt_lookup_tokens_per_second"):
         assert key in o
     assert o["lossless"] is True and o["prompts"] == 2

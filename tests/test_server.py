@@ -55,7 +55,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_drafter):
-    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
     s = ServerThread(create_app(lambda: engine, "tiny", api_key=KEY, max_queue=20))
     s.wait_healthy()
     s.engine = engine

@@ -21,7 +21,7 @@ PROMPT = "def sum(x):"
 @pytest.fixture(scope="module")
 def engine(tiny_target, tiny_drafter):
     # our own engine: the settings test changes its block size, and the session's tiny_engine is shared
-    return Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    return Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
 
 
 class Paced:

@@ -1,0 +1,101 @@
+"""How many tokens to draft at each step.
+
+A DFlash block costs a drafter pass plus a target verify of n + 1 tokens, and on CPUs the verify grows almost
+linearly with n (README, "Measured"), so drafting a full block when drafts are rarely accepted is slower than plain
+decoding. The adaptive policy picks the n that maximises expected tokens per millisecond:
+
+    E(n) = 1 + sum_{j=1..n} a_1 a_2 ... a_j          (a_k: chance draft k is accepted once 1..k-1 were)
+    cost(n) = T(n + 1) + D(n)                           (measured verify and draft times; D(0) = 0)
+
+a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
+measured times, filled in for unmeasured sizes by a line through the measured ones. A full block that paid off (more
+tokens per millisecond than plain decoding) is followed by another; when drafting does not pay, it decodes plainly
+and drafts a full block every `probe_every` steps to keep learning.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # per observation: the estimates follow roughly the last 10 tests of each position
+MARGIN = 1.1  # drafting must promise 10% more tokens per millisecond than plain decoding: timings are noisy
+
+
+@dataclass
+class DraftPolicy:
+    max_draft: int  # block size - 1
+    adaptive: bool = True
+    probe_every: int = 16
+    accepted: list[float] = field(default_factory=list)  # decayed counts per draft position
+    tried: list[float] = field(default_factory=list)
+    verify_ms: dict[int, float] = field(default_factory=dict)  # tokens verified -> median of recent steps
+    draft_ms: dict[int, float] = field(default_factory=dict)  # tokens drafted -> median of recent steps
+    samples: dict[tuple[str, int], deque] = field(default_factory=dict)
+    steps_since_draft: int = 0
+    paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
+
+    def __post_init__(self):
+        self.accepted = [0.0] * self.max_draft
+        self.tried = [0.0] * self.max_draft
+
+    def acceptance(self) -> list[float]:
+        return [(a + 1) / (t + 2) for a, t in zip(self.accepted, self.tried)]
+
+    @staticmethod
+    def _estimate(table: dict[int, float], k: int) -> float | None:
+        """A measured mean, or a least-squares line through the measured sizes, or None if nothing is known."""
+        if k in table:
+            return table[k]
+        if not table:
+            return None
+        if len(table) == 1:
+            (k0, t0), = table.items()
+            return t0 * k / k0 if k0 else t0  # proportional: the pessimistic guess on CPUs
+        xs, ys = list(table), list(table.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return max(my + max(slope, 0.0) * (k - mx), 0.0)  # more tokens never cost less
+
+    def expected_tokens(self, n: int) -> float:
+        e, p = 1.0, 1.0
+        for a in self.acceptance()[:n]:
+            p *= a
+            e += p
+        return e
+
+    def choose(self) -> int:
+        if not self.adaptive or self.max_draft == 0:
+            return self.max_draft
+        plain = self._estimate(self.verify_ms, 1)
+        if plain is None or self.paid_off or self.steps_since_draft >= self.probe_every:
+            return self.max_draft  # probe, and keep going while full blocks pay off (the estimates catch up)
+        best, best_rate = 0, 1.0 / max(plain, 1e-6)
+        for n in range(1, self.max_draft + 1):
+            t, d = self._estimate(self.verify_ms, n + 1), self._estimate(self.draft_ms, n)
+            if t is None or d is None:
+                return self.max_draft  # a size never measured: try the full block once
+            rate = self.expected_tokens(n) / max(t + d, 1e-6)
+            if rate > best_rate * (MARGIN if best == 0 else 1.0):
+                best, best_rate = n, rate
+        return best
+
+    def update(self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float) -> None:
+        self.steps_since_draft = 0 if n_drafted else self.steps_since_draft + 1
+        plain = self._estimate(self.verify_ms, 1)
+        if n_drafted:
+            self.paid_off = plain is not None and (n_accepted + 1) / max(verify_ms + draft_ms, 1e-6) > MARGIN / plain
+        self._record(self.verify_ms, "verify", n_drafted + 1, verify_ms)
+        if n_drafted:
+            self._record(self.draft_ms, "draft", n_drafted, draft_ms)
+        # position k was tested only if every draft before it was accepted
+        for k in range(min(n_drafted, n_accepted + 1)):
+            self.tried[k] = self.tried[k] * DECAY + 1
+            self.accepted[k] = self.accepted[k] * DECAY + (k < n_accepted)
+
+    def _record(self, table: dict[int, float], kind: str, k: int, value: float) -> None:
+        """Medians of the last 15 timings per size: one slow step (another process, a page fault) moves nothing."""
+        recent = self.samples.setdefault((kind, k), deque(maxlen=15))
+        recent.append(value)
+        table[k] = statistics.median(recent)

@@ -1,0 +1,62 @@
+"""The draft-length policy: its choice from costs and acceptance, and its effect in the engine."""
+
+
+from dflash_local import Engine
+from dflash_local.policy import DraftPolicy
+
+
+def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float], n: int = 7) -> DraftPolicy:
+    p = DraftPolicy(n)
+    p.verify_ms, p.draft_ms = dict(verify), dict(draft)
+    p.tried = [100.0] * n
+    p.accepted = [100.0 * acceptance] * n
+    return p
+
+
+CPU = {k: 7.5 + 6.5 * k for k in range(1, 9)}  # verify cost growing like gemma-3-270m's on 2 cores
+GPU = {k: 10.0 + 0.2 * k for k in range(1, 9)}  # nearly flat
+DRAFT = {k: 2.0 for k in range(1, 8)}
+
+
+def test_choice_follows_costs_and_acceptance():
+    assert trained(0.05, CPU, DRAFT).choose() == 0  # drafts rarely right and verifying is dear: decode plainly
+    assert trained(0.95, GPU, DRAFT).choose() == 7  # cheap verify, good drafts: the whole block
+    assert 0 < trained(0.8, CPU, DRAFT).choose() < 7  # in between: a shorter block
+    assert trained(0.05, CPU, DRAFT).expected_tokens(3) < trained(0.9, CPU, DRAFT).expected_tokens(3)
+
+
+def test_probes_unknown_sizes_and_after_long_plain_runs():
+    p = DraftPolicy(7)
+    assert p.choose() == 7  # nothing measured yet
+    p = trained(0.0, {1: 10.0, 8: 60.0}, {7: 5.0})
+    assert p.choose() == 0  # sizes in between are estimated from a line through the measured ones
+    for _ in range(p.probe_every):
+        p.update(0, 0, 10.0, 0.0)
+    assert p.choose() == 7
+    p.update(7, 7, 60.0, 5.0)  # a probe that was fully accepted raises every estimate it tested
+    assert p.acceptance()[6] > 0.0
+
+
+def test_fixed_mode_always_drafts_the_block():
+    p = DraftPolicy(5, adaptive=False)
+    p.update(5, 0, 100.0, 50.0)
+    assert p.choose() == 5
+
+
+def test_adaptive_engine_follows_its_drafter_and_stays_lossless(gemma_target, gemma_drafter):
+    # on gemma-3-270m verifying 2 tokens costs about twice one (README, "Measured"): a useless drafter must stop
+    e = Engine(gemma_target, gemma_drafter, n_ctx=1024, draft_policy="auto")
+    p = "The history of the printing press"
+    base = e.complete(p, max_tokens=120, draft=False)
+    n_prompt = len(e.prompt_tokens(p))
+
+    def continuation(tokens, n):
+        return (base.token_ids[len(tokens) - n_prompt :] + [0] * n)[:n]
+
+    wrong = e.complete(p, max_tokens=120, external_drafter=lambda t, n: [(x + 1) % 262144 for x in continuation(t, n)])
+    assert wrong.token_ids == base.token_ids
+    assert wrong.summary.n_drafted < 120  # full blocks would draft 3 per step, about 360
+    assert wrong.summary.steps > 100  # mostly plain steps
+    right = e.complete(p, max_tokens=120, external_drafter=continuation)  # always right: full blocks pay off
+    assert right.token_ids == base.token_ids
+    assert right.summary.mean_acceptance_length > 3
