@@ -377,8 +377,9 @@ class Engine:
         finally:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
             self._cached = (ids + produced)[: s.n_past]
-            if drafting:
-                self._draft_valid = s.n_past if td is None else min(s.n_past, td.n)
+            if drafting:  # a torch drafter skipped for an external one did not follow: its context ends earlier
+                tdr = self.torch_drafter
+                self._draft_valid = s.n_past if tdr is None else min(s.n_past, tdr.n)
 
     def _policy_for(self, max_draft: int) -> DraftPolicy:
         adaptive = self.draft_policy == "auto"

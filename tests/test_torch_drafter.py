@@ -60,6 +60,10 @@ def test_torch_backend_is_lossless_on_the_tiny_pair(tiny_target, tiny_drafter):
     again = e.complete("Hello world" + first.text, max_tokens=30)
     assert again.summary.n_cached > 0
     assert again.token_ids == e.complete("Hello world" + first.text, max_tokens=30, draft=False).token_ids
+    # an external drafter in between leaves the torch drafter's context behind; the next run must catch up
+    e.complete("Hello world" + first.text + again.text, max_tokens=10, external_drafter=lambda t, n: [0] * n)
+    follow = "Hello world" + first.text + again.text + " more"
+    assert e.complete(follow, max_tokens=20).token_ids == e.complete(follow, max_tokens=20, draft=False).token_ids
 
 
 def test_torch_and_ggml_backends_draft_the_same_tokens(tiny_target, tiny_drafter):
