@@ -359,3 +359,27 @@ def test_huge_top_k_is_a_client_error(server):
     body = {"prompt": "x", "max_tokens": 2, "top_k": 36028797018963968}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+
+
+def test_waiting_streams_get_sse_comment_keepalives(tiny_target, monkeypatch):
+    from dflash_local import server as server_module
+
+    monkeypatch.setattr(server_module, "KEEPALIVE_SECONDS", 0.02)
+    engine = Engine(tiny_target, n_ctx=1024)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        long = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "prompt": "Hello", "max_tokens": 900, "temperature": 0}))
+        long.start()
+        while not engine._lock.locked():  # the long generation holds the engine before the stream asks
+            time.sleep(0.005)
+        body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+            raw = "".join(r.iter_text())
+        long.join()
+        assert ": keep-alive\n\n" in raw and raw.endswith("data: [DONE]\n\n")
+        frames = [f for f in raw.split("\n\n") if f]
+        assert all(f.startswith("data: ") or f == ": keep-alive" for f in frames)
+    finally:
+        s.stop()
