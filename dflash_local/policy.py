@@ -83,12 +83,12 @@ class DraftPolicy:
 
     def update(self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float) -> None:
         self.steps_since_draft = 0 if n_drafted else self.steps_since_draft + 1
-        plain = self._estimate(self.verify_ms, 1)
-        if n_drafted:
-            self.paid_off = plain is not None and (n_accepted + 1) / max(verify_ms + draft_ms, 1e-6) > MARGIN / plain
         self._record(self.verify_ms, "verify", n_drafted + 1, verify_ms)
         if n_drafted:
             self._record(self.draft_ms, "draft", n_drafted, draft_ms)
+            # judged on the running medians, not on this one step's timing
+            plain, cost = self._estimate(self.verify_ms, 1), self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted]
+            self.paid_off = plain is not None and (n_accepted + 1) / max(cost, 1e-6) > MARGIN / plain
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):
             self.tried[k] = self.tried[k] * DECAY + 1

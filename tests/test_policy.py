@@ -1,7 +1,8 @@
 """The draft-length policy: its choice from costs and acceptance, and its effect in the engine."""
 
 
-from dflash_local import Engine
+from dflash_local import Engine, StepStats
+from dflash_local.convert.init_drafter import init_drafter
 from dflash_local.policy import DraftPolicy
 
 
@@ -43,9 +44,20 @@ def test_fixed_mode_always_drafts_the_block():
     assert p.choose() == 5
 
 
-def test_adaptive_engine_follows_its_drafter_and_stays_lossless(gemma_target, gemma_drafter):
-    # on gemma-3-270m verifying 2 tokens costs about twice one (README, "Measured"): a useless drafter must stop
-    e = Engine(gemma_target, gemma_drafter, n_ctx=1024, draft_policy="auto")
+class SteadyCosts(DraftPolicy):
+    """The policy with gemma-3-270m-like step times in place of this machine's measurements, which another process
+    can distort at any moment: the engine wiring is what this tests, the cost logic is tested above."""
+
+    def _record(self, table, kind, k, value):
+        table[k] = CPU[k] if kind == "verify" else 3.0
+
+
+def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_target):
+    # on gemma-3-270m verifying 2 tokens costs about twice one (README, "Measured"): a useless drafter must stop;
+    # block 8, where a fully accepted block clearly pays (8 tokens for about 4.5 single-token times)
+    drafter = init_drafter(tmp_path / "d8.gguf", gemma_target, n_target_layers=3, block_size=8, head_dim=64, n_ff=512)
+    e = Engine(gemma_target, drafter, n_ctx=1024, draft_policy="auto")
+    e._policy = SteadyCosts(7)
     p = "The history of the printing press"
     base = e.complete(p, max_tokens=120, draft=False)
     n_prompt = len(e.prompt_tokens(p))
@@ -55,8 +67,12 @@ def test_adaptive_engine_follows_its_drafter_and_stays_lossless(gemma_target, ge
 
     wrong = e.complete(p, max_tokens=120, external_drafter=lambda t, n: [(x + 1) % 262144 for x in continuation(t, n)])
     assert wrong.token_ids == base.token_ids
-    assert wrong.summary.n_drafted < 120  # full blocks would draft 3 per step, about 360
+    assert wrong.summary.n_drafted < 120  # full blocks would draft 7 per step, about 830
     assert wrong.summary.steps > 100  # mostly plain steps
-    right = e.complete(p, max_tokens=120, external_drafter=continuation)  # always right: full blocks pay off
-    assert right.token_ids == base.token_ids
-    assert right.summary.mean_acceptance_length > 3
+    # an always-right drafter: within one probe interval a probe finds out, then full blocks for as long as they pay
+    events = list(e.generate(p, max_tokens=120, external_drafter=continuation))
+    steps = [ev for ev in events if isinstance(ev, StepStats)]
+    assert events[-1].token_ids == base.token_ids
+    assert sum(s.n_drafted == 0 for s in steps) <= e._policy.probe_every
+    assert all(s.n_accepted == s.n_drafted for s in steps)
+    assert sum(s.n_drafted for s in steps) >= 80
