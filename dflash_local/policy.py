@@ -88,7 +88,7 @@ class DraftPolicy:
             self._record(self.draft_ms, "draft", n_drafted, draft_ms)
             # judged on the running medians, not on this one step's timing
             plain, cost = self._estimate(self.verify_ms, 1), self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted]
-            self.paid_off = plain is not None and (n_accepted + 1) / max(cost, 1e-6) > MARGIN / plain
+            self.paid_off = plain is not None and (n_accepted + 1) / max(cost, 1e-6) > MARGIN / max(plain, 1e-6)
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):
             self.tried[k] = self.tried[k] * DECAY + 1

@@ -38,6 +38,16 @@ def test_probes_unknown_sizes_and_after_long_plain_runs():
     assert p.acceptance()[6] > 0.0
 
 
+def test_tiny_or_extrapolated_costs_never_divide_by_zero():
+    p = DraftPolicy(3)
+    p.update(3, 1, 0.0, 0.0)  # a step too fast for the clock
+    p.update(1, 0, 0.0, 0.0)
+    assert 0 <= p.choose() <= 3
+    p = trained(0.5, {2: 1.0, 4: 5.0}, {1: 0.0, 3: 0.0}, n=3)  # the line through them is below zero at k = 1
+    p.update(3, 3, 5.0, 0.0)
+    assert 0 <= p.choose() <= 3
+
+
 def test_fixed_mode_always_drafts_the_block():
     p = DraftPolicy(5, adaptive=False)
     p.update(5, 0, 100.0, 50.0)

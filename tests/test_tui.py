@@ -18,9 +18,10 @@ SIZE = (80, 24)
 PROMPT = "def sum(x):"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def engine(tiny_target, tiny_drafter):
-    # our own engine: the settings test changes its block size, and the session's tiny_engine is shared
+    # a fresh engine per test: the settings test changes its block size, and an answer still finishing when one
+    # test's app closes must not find the next test's engine busy
     return Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
 
 
