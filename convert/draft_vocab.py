@@ -40,11 +40,14 @@ def read_token_ids(path: str | Path, n_vocab: int) -> np.ndarray:
     return np.sort(ids)
 
 
-def target_head_rows(target: GGUFInfo, ids: np.ndarray) -> np.ndarray:
-    """Rows `ids` of the target's LM head (its output matrix, or the tied embeddings), dequantized to float32."""
-    t = target.tensors.get("output.weight") or target.tensors.get("token_embd.weight")
+def target_rows(target: GGUFInfo, ids: np.ndarray, name: str | None = None) -> np.ndarray:
+    """Rows `ids` of a target matrix, dequantized to float32; by default of its LM head (its output matrix, or the
+    tied embeddings)."""
+    t = target.tensors.get(name) if name else target.tensors.get("output.weight") or target.tensors.get(
+        "token_embd.weight")
     if t is None or len(t.shape) != 2:
-        raise ConvertError(f"{target.path.name}: no LM head (output.weight or token_embd.weight) to take rows from")
+        raise ConvertError(f"{target.path.name}: no {name or 'LM head (output.weight or token_embd.weight)'} to take "
+                           f"rows from")
     qtype = GGMLQuantizationType[t.type]
     n_embd, n_rows = t.shape
     row_bytes = t.nbytes // n_rows

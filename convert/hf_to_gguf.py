@@ -22,7 +22,7 @@ import numpy as np
 
 from ..gguf_file import GGUFError, GGUFInfo, read_gguf
 from ..validate import PairError, check_pair
-from .draft_vocab import read_token_ids, target_head_rows
+from .draft_vocab import read_token_ids, target_rows
 from .errors import ConvertError
 from .gguf_out import add_dflash_keys, add_model_hparams, atomic_output, noise_embedding_scale, tokenizer_kv
 from .hub import resolve_source
@@ -209,7 +209,7 @@ def convert_drafter(
         if any(t.name == "output.weight" for t in tensors):
             raise ConvertError(f"{src_dir}: the checkpoint already has its own LM head; --draft-vocab cannot apply")
         ids = read_token_ids(draft_vocab, tgt.n_vocab)
-        head = target_head_rows(tgt, ids)
+        head = target_rows(tgt, ids)
         tensors.append(PlannedTensor("output.weight", None, head.shape, "matrix", head))
         tensors.append(PlannedTensor("d2t", None, ids.shape, "index", ids))
 

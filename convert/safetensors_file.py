@@ -122,3 +122,24 @@ def read_tensor(t: SafeTensor) -> np.ndarray:
     """A whole tensor in its own shape, float32 for float dtypes, the stored type otherwise (small tensors only)."""
     data = read_rows(t, 0, t.n_rows, raw=not t.dtype.startswith(("F", "BF")))
     return data.reshape(t.shape)
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> Path:
+    """Write float32 and int64 arrays as one safetensors file, atomically."""
+    from .gguf_out import atomic_output
+
+    names = {np.dtype("<f4"): "F32", np.dtype("<i8"): "I64"}
+    header, offset, arrays = {}, 0, []
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a, dtype="<i8" if np.issubdtype(a.dtype, np.integer) else "<f4")
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays:
+            f.write(a.tobytes())
+    return Path(path)

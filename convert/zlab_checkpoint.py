@@ -308,3 +308,28 @@ def _check_draft_vocab(c: DrafterConfig, planned: dict[str, PlannedTensor], path
             )
     if head is not None and head.shape[1] != c.hidden:
         raise ConvertError(f"{path}: lm_head.weight has shape {list(head.shape)}, hidden size is {c.hidden}")
+
+
+def zlab_name(name: str) -> str:
+    """The z-lab name of a GGUF-named drafter tensor (the inverse of gguf_name)."""
+    for hf, g in _GLOBAL_NAMES.items():
+        if g == name:
+            return hf
+    m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+    inverse = {g: hf for hf, g in _LAYER_NAMES.items()}
+    if not m or m.group(2) not in inverse:
+        raise ValueError(f"{name} is not a DFlash drafter tensor")
+    return f"layers.{m.group(1)}.{inverse[m.group(2)]}"
+
+
+def write_checkpoint(folder: str | Path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
+    """A z-lab checkpoint folder (config.json, model.safetensors) from GGUF-named tensors; each file atomically."""
+    from .gguf_out import atomic_output
+    from .safetensors_file import write_safetensors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / "model.safetensors", {zlab_name(n): a for n, a in tensors.items()})
+    with atomic_output(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+    return folder

@@ -232,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_init_drafter)
 
+    from .train import add_train_args, run_train
+
+    tr = sub.add_parser("train", help="train a DFlash drafter for a target GGUF on its own greedy continuations")
+    add_train_args(tr)
+    tr.set_defaults(func=run_train)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -71,6 +71,22 @@ class DFlashDrafter(nn.Module):
         for i in range(shape.n_layer):
             layer = nn.ParameterDict({n: p(f"blk.{i}.{n}.weight") for n in names})
             self.layers.append(layer)
+        # a reduced draft vocabulary: its own LM head rows and their target token ids
+        self.lm_head = p("output.weight") if "output.weight" in weights else None
+        d2t = torch.tensor(np.asarray(weights["d2t"], dtype=np.int64)) if "d2t" in weights else None
+        self.register_buffer("d2t", d2t)
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        """The weights under their GGUF names (the inverse of the constructor), as float32 numpy (d2t as ids)."""
+        out = {"fc.weight": self.fc, "enc.output_norm.weight": self.hidden_norm, "output_norm.weight": self.norm}
+        for i, layer in enumerate(self.layers):
+            out.update({f"blk.{i}.{n}.weight": w for n, w in layer.items()})
+        if self.lm_head is not None:
+            out["output.weight"] = self.lm_head
+        out = {n: w.detach().float().cpu().numpy() for n, w in out.items()}
+        if self.d2t is not None:
+            out["d2t"] = self.d2t.cpu().numpy()
+        return out
 
     def context_kv(self, features: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V of context positions, per layer, from the target features [T, n_layers * target_hidden]."""
@@ -83,8 +99,10 @@ class DFlashDrafter(nn.Module):
             out.append((rope(k, pos, s.rope_theta), v))
         return out
 
-    def forward(self, noise: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Hidden states of the noise block. noise: [n, hidden] embeddings; ctx: per-layer cached (K, V)."""
+    def forward(self, noise: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
+                attn_mask: torch.Tensor | None = None):
+        """Hidden states of the noise block. noise: [n, hidden] embeddings; ctx: per-layer cached (K, V).
+        attn_mask [n, len(ctx) + n] (True = attend) lets training run many blocks at once; None = all of ctx."""
         s = self.shape
         x = noise
         n = x.shape[0]
@@ -98,10 +116,11 @@ class DFlashDrafter(nn.Module):
             k, v = torch.cat([ck, k]), torch.cat([cv, v])
             rep = s.n_head // s.n_head_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            mask = None
+            mask = attn_mask
             if s.causal:  # a causal drafter still sees the whole context
                 m = k.shape[0] - n
-                mask = torch.ones(n, m + n, dtype=torch.bool, device=x.device).tril(m)
+                causal = torch.ones(n, m + n, dtype=torch.bool, device=x.device).tril(m)
+                mask = causal if mask is None else mask & causal
             a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                attn_mask=mask, scale=1.0 / math.sqrt(s.head_dim))
             x = x + a.transpose(0, 1).reshape(n, -1) @ L["attn_output"].T
@@ -121,6 +140,8 @@ def _dequantized(info, name: str) -> np.ndarray:
     shape = tuple(reversed(t.shape))
     if qtype == GGMLQuantizationType.F32:
         return np.frombuffer(raw, dtype=np.float32).reshape(shape)
+    if qtype in (GGMLQuantizationType.I32, GGMLQuantizationType.I64):  # d2t
+        return np.frombuffer(raw, dtype=np.int32 if qtype == GGMLQuantizationType.I32 else np.int64).reshape(shape)
     if qtype == GGMLQuantizationType.F16:
         return np.frombuffer(raw, dtype=np.float16).reshape(shape).astype(np.float32)
     return dequantize(raw.reshape(shape[:-1] + (-1,)), qtype).reshape(shape)
@@ -144,16 +165,10 @@ def shape_from_gguf(info) -> DraftShape:
     )
 
 
-def _full_vocab_only(names, where) -> None:
-    if "d2t" in names or "output.weight" in names:
-        raise ValueError(f"{where}: drafters with a reduced draft vocabulary run on the llama.cpp backend only")
-
-
 def load_gguf_drafter(path) -> DFlashDrafter:
     info = read_gguf(path)
-    _full_vocab_only(info.tensors, path)
     shape = shape_from_gguf(info)
-    names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output_norm", "blk."))]
+    names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output", "blk.")) or n == "d2t"]
     return DFlashDrafter(shape, {n: _dequantized(info, n) for n in names})
 
 
@@ -166,7 +181,6 @@ def load_zlab_drafter(path, target_info) -> DFlashDrafter:
 
     ck = open_checkpoint(path)
     c = ck.config
-    _full_vocab_only({t.name for t in ck.tensors}, path)
     mask = check_against_target(c, target_info, warn=lambda msg: print(f"dflash-local: {msg}", file=sys.stderr))
     if mask is None:
         raise ValueError(f"{path}: no mask token in dflash_config or in the target's tokenizer")
@@ -184,7 +198,10 @@ def load_zlab_drafter(path, target_info) -> DFlashDrafter:
         embedding_scale=noise_embedding_scale(target_info.arch, c.hidden, c.embedding_scale) or 1.0,
         causal=c.causal,
     )
-    return DFlashDrafter(shape, {t.name: read_tensor(t.src) for t in ck.tensors if t.src is not None})
+    weights = {t.name: read_tensor(t.src) for t in ck.tensors if t.src is not None}
+    if "d2t" in weights:  # stored as offsets: target id = d2t[i] + i
+        weights["d2t"] = weights["d2t"].astype(np.int64) + np.arange(len(weights["d2t"]))
+    return DFlashDrafter(shape, weights)
 
 
 class TorchDraftBackend:
@@ -233,8 +250,12 @@ class TorchDraftBackend:
         tokens = torch.tensor([last] + [s.mask_token] * n, device=self.device)
         pos = torch.arange(self.n, self.n + n + 1, device=self.device)
         noise = self.embed[tokens] * s.embedding_scale
-        h = self.model(noise, pos, self.ctx)
-        return h[1:] @ self.head.T
+        h = self.model(noise, pos, self.ctx)[1:]
+        if self.model.lm_head is None:
+            return h @ self.head.T
+        full = torch.full((n, self.head.shape[0]), -torch.inf, dtype=h.dtype, device=h.device)
+        full[:, self.model.d2t] = h @ self.model.lm_head.T
+        return full
 
     def propose(self, last: int, n: int) -> list[int]:
         return self.logits(last, n).argmax(-1).tolist()

@@ -1,0 +1,410 @@
+"""`dflash-local train`: a DFlash drafter for any GGUF target, taught by the target itself.
+
+1. Data (traindata.py): the target's greedy continuations of corpus prompts, with its hidden states at the chosen
+   layers, through the same native feature export the engine drafts with.
+2. Training, the DFlash recipe: the drafter caches K/V of the fused target features of the context; blocks
+   [anchor, mask x (B-1)] anchored at random positions of the continuations attend to the context before their anchor
+   and, bidirectionally, to their own block; cross-entropy against the target's tokens, weighted exp(-(k-1)/7) at
+   block position k. Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded
+   into fc at export, so the exported drafter reads raw features as llama.cpp's graph feeds them.
+3. Validation every --eval-every steps: the real engine drafts with the exported GGUF on held-out prompts (corpus
+   prompts after the training ones) and reports the mean acceptance length.
+4. Export: a z-lab checkpoint folder (`zlab/`) and a GGUF through the converter (`drafter-<outtype>.gguf`).
+
+Everything lives in --out; checkpoint.pt is saved every --save-every steps and on Ctrl-C, and running the same command
+again resumes (data, then training) where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .convert.draft_vocab import target_rows
+from .convert.gguf_out import atomic_output
+from .convert.init_drafter import default_target_layers, init_drafter
+from .gguf_file import read_gguf
+from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
+from .traindata import Sample, load_sample, make_data
+
+# changing these makes a different drafter: a resumed run must keep them
+SHAPE_FIELDS = ("n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "samples", "max_new", "seed")
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    out: str
+    n_layer: int = 1
+    n_ff: int | None = None  # default: the target's
+    target_layers: list[int] | None = None  # layer-input indices as in the GGUF (z-lab ids + 1)
+    block_size: int = 8
+    draft_vocab: int | None = None  # None: 32768 for targets with more than 65536 tokens, else the full vocabulary
+    corpus: str | None = None
+    samples: int = 800
+    max_new: int = 192
+    steps: int = 3000
+    batch: int = 4  # sequences per step
+    anchors: int = 16  # blocks per sequence
+    lr: float = 1e-3
+    warmup: int = 100
+    device: str = "cpu"
+    seed: int = 0
+    threads: int | None = None
+    save_every: int = 100
+    eval_every: int = 500
+    eval_prompts: int = 4
+    eval_tokens: int = 96
+    outtype: str = "q8_0"
+
+
+@dataclass
+class Batch:
+    loss: torch.Tensor
+    weight: float
+    accepted: list[int]  # per block: leading draft positions that match the target (the acceptance it implies)
+
+
+def position_weights(block_size: int) -> torch.Tensor:
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / 7.0)
+
+
+def draft_vocabulary(samples: list[Sample], n_vocab: int, n: int) -> np.ndarray:
+    """The n target tokens most frequent in the continuations (ties: lower id first), sorted by id."""
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for s in samples:
+        np.add.at(counts, s.tokens[s.n_prompt :], 1)
+    return np.sort(np.argsort(-counts, kind="stable")[:n])
+
+
+def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 50000) -> np.ndarray:
+    per = rows // len(samples) + 1
+    f = np.concatenate([s.features[rng.choice(len(s.features), size=min(per, len(s.features)), replace=False)]
+                        for s in samples if len(s.features)])
+    return np.sqrt((f.astype(np.float64) ** 2).mean(0)).astype(np.float32) + 1e-6
+
+
+def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, row_of: torch.Tensor,
+                  label_of: torch.Tensor, s: Sample, scale: torch.Tensor, n_anchors: int, rng: np.random.Generator,
+                  weights: torch.Tensor) -> Batch | None:
+    """Weighted cross-entropy of up to n_anchors blocks anchored at random positions of one sample's continuation."""
+    B = model.shape.block_size
+    n = len(s.tokens)
+    candidates = np.arange(s.n_prompt, n - 1)  # an anchor is a generated token with at least one token after it
+    if len(candidates) == 0:
+        return None
+    anchors = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
+    nb, T = len(anchors), int(anchors[-1])
+    dev = emb.device
+    ctx = model.context_kv(torch.from_numpy(s.features[:T]).to(dev) / scale, torch.arange(T, device=dev))
+
+    a = torch.from_numpy(anchors).to(dev)
+    pos = a[:, None] + torch.arange(B, device=dev)  # [nb, B]
+    tokens = torch.from_numpy(s.tokens.astype(np.int64)).to(dev)
+    noise = torch.full((nb, B), model.shape.mask_token, device=dev)
+    noise[:, 0] = tokens[a]
+    block = torch.arange(nb, device=dev).repeat_interleave(B)
+    see_ctx = (torch.arange(T, device=dev)[None, :] < a[:, None]).repeat_interleave(B, 0)  # context before the anchor
+    see_block = block[:, None] == block[None, :]
+    h = model(emb[row_of[noise.flatten()]], pos.flatten(), ctx, torch.cat([see_ctx, see_block], 1))
+    h = h.view(nb, B, -1)[:, 1:]
+
+    target_pos = pos[:, 1:]
+    valid = target_pos < n
+    labels = label_of[tokens[target_pos.clamp(max=n - 1)]]  # draft-vocabulary index, -1 outside it
+    labels = torch.where(valid, labels, -1)
+    logits = h @ head.T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction="none").view(nb, B - 1)
+    w = weights[None, :].to(dev) * (labels >= 0)
+    right = (logits.argmax(-1) == labels) & (labels >= 0)
+    accepted = torch.cumprod(right.int(), 1).sum(1)
+    return Batch((ce * w).sum(), float(w.sum()), accepted.tolist())
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.out = Path(cfg.out)
+        self.target_info = read_gguf(cfg.target)
+        t = self.target_info
+        if cfg.target_layers is None:
+            cfg.target_layers = default_target_layers(t.get("block_count"), cfg.n_layer)
+        if cfg.draft_vocab is None and t.n_vocab > 65536:
+            cfg.draft_vocab = 32768
+        if cfg.draft_vocab is not None and not 1 <= cfg.draft_vocab <= t.n_vocab:
+            raise ValueError(f"--draft-vocab must be between 1 and the target's {t.n_vocab} tokens")
+        if cfg.block_size < 2:
+            raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "train.json"
+        mine = dataclasses.asdict(self.cfg)
+        if path.exists():
+            old = json.loads(path.read_text())
+            diff = [k for k in SHAPE_FIELDS if old.get(k) != mine[k]]
+            if diff:
+                raise ValueError(f"{self.out} holds a run with other {', '.join(diff)} "
+                                 f"({', '.join(f'{k}={old.get(k)}' for k in diff)}); use another --out")
+        with atomic_output(path) as tmp:
+            tmp.write_text(json.dumps(mine, indent=1) + "\n")
+
+    # -- data -------------------------------------------------------------------------------------------------------
+
+    def prompts(self) -> list[str]:
+        from .corpus import training_prompts
+
+        return training_prompts(self.cfg.corpus, self.cfg.seed)
+
+    def make_data(self, prompts: list[str]) -> list[Sample]:
+        cfg = self.cfg
+        t0, done = time.perf_counter(), [0, 0]
+
+        def progress(i, n_new):
+            done[0] += 1
+            done[1] += n_new
+            rate = done[1] / (time.perf_counter() - t0)
+            self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
+
+        paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
+                          cfg.threads or os.cpu_count(), progress=progress)
+        return [load_sample(p) for p in paths]
+
+    # -- model ------------------------------------------------------------------------------------------------------
+
+    def build(self, samples: list[Sample], rng: np.random.Generator):
+        cfg, t = self.cfg, self.target_info
+        init = self.out / "init.gguf"
+        if not init.exists():
+            init_drafter(init, cfg.target, n_layer=cfg.n_layer, target_layers=cfg.target_layers,
+                         block_size=cfg.block_size, n_ff=cfg.n_ff, seed=cfg.seed)
+        model = load_gguf_drafter(init)
+        if cfg.draft_vocab is not None and cfg.draft_vocab < t.n_vocab:
+            ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab)
+            model.lm_head = torch.nn.Parameter(torch.from_numpy(target_rows(t, ids)))
+            model.d2t = torch.from_numpy(ids)
+            head_ids = ids
+        else:
+            head_ids = np.arange(t.n_vocab)
+        # embeddings of every token the blocks can hold (anchors and the mask), scaled as the drafter's graph does
+        used = np.unique(np.concatenate([s.tokens for s in samples] + [[model.shape.mask_token]]))
+        emb = torch.from_numpy(target_rows(t, used, "token_embd.weight")) * model.shape.embedding_scale
+        row_of = torch.full((t.n_vocab,), -1, dtype=torch.long)
+        row_of[torch.from_numpy(used)] = torch.arange(len(used))
+        label_of = torch.full((t.n_vocab,), -1, dtype=torch.long)
+        label_of[torch.from_numpy(head_ids)] = torch.arange(len(head_ids))
+        scale = torch.from_numpy(feature_scale(samples, rng))
+        return model, emb, row_of, label_of, scale
+
+    def head(self, model: DFlashDrafter) -> torch.Tensor:
+        if model.lm_head is not None:
+            return model.lm_head
+        if not hasattr(self, "_full_head"):  # the target's own head, frozen
+            t = self.target_info
+            self._full_head = torch.from_numpy(target_rows(t, np.arange(t.n_vocab))).to(self.device)
+        return self._full_head
+
+    # -- export -----------------------------------------------------------------------------------------------------
+
+    def export(self, model: DFlashDrafter, scale: torch.Tensor, gguf_path: Path, outtype: str,
+               folder: Path | None = None) -> Path:
+        """Write the z-lab checkpoint folder and convert it to a GGUF with the converter."""
+        from .convert.hf_to_gguf import convert_drafter
+        from .convert.zlab_checkpoint import write_checkpoint
+
+        cfg, t, sh = self.cfg, self.target_info, model.shape
+        tensors = model.gguf_tensors()
+        tensors["fc.weight"] = tensors["fc.weight"] / scale.cpu().numpy()[None, :]  # fold the feature scale in
+        if "d2t" in tensors:
+            tensors["d2t"] = tensors["d2t"] - np.arange(len(tensors["d2t"]))  # z-lab stores offsets
+        n_ff = tensors["blk.0.ffn_gate.weight"].shape[0]
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "_name_or_path": f"dflash-local drafter for {t.kv.get('general.name', t.arch)}",
+            "hidden_size": sh.n_embd,
+            "num_hidden_layers": sh.n_layer,
+            "num_attention_heads": sh.n_head,
+            "num_key_value_heads": sh.n_head_kv,
+            "head_dim": sh.head_dim,
+            "intermediate_size": n_ff,
+            "hidden_act": "silu",
+            "rms_norm_eps": sh.rms_eps,
+            "rope_theta": sh.rope_theta,
+            "max_position_embeddings": t.get("context_length") or 4096,
+            "vocab_size": t.n_vocab,
+            "draft_vocab_size": len(tensors["d2t"]) if "d2t" in tensors else t.n_vocab,
+            "block_size": sh.block_size,
+            "num_target_layers": t.get("block_count"),
+            "dflash_config": {"target_layer_ids": [i - 1 for i in sh.target_layers], "mask_token_id": sh.mask_token},
+            "torch_dtype": "float32",
+        }
+        folder = folder or gguf_path.with_suffix("")
+        write_checkpoint(folder, config, tensors)
+        convert_drafter(folder, cfg.target, gguf_path, outtype)
+        return gguf_path
+
+    def validate(self, model: DFlashDrafter, scale: torch.Tensor, prompts: list[str]) -> dict:
+        """Mean acceptance length of the exported drafter in the real engine, greedy, full blocks."""
+        from .engine import Engine
+
+        cfg = self.cfg
+        path = self.export(model, scale, self.out / "eval" / "drafter.gguf", "f32")
+        engine = Engine(cfg.target, path, n_ctx=2048, n_threads=cfg.threads, draft_policy="fixed")
+        drafted = accepted = steps = 0
+        for p in prompts:
+            s = engine.complete(p, max_tokens=cfg.eval_tokens).summary
+            steps, drafted, accepted = steps + s.steps, drafted + s.n_drafted, accepted + s.n_accepted
+        del engine
+        return {"mean_acceptance_length": (accepted + steps) / max(steps, 1), "drafted": drafted,
+                "accepted": accepted}
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.threads or os.cpu_count())
+        self.device = torch.device(pick_device(cfg.device))
+        prompts = self.prompts()
+        held_out = prompts[cfg.samples : cfg.samples + cfg.eval_prompts]
+        if len(held_out) < cfg.eval_prompts:
+            raise ValueError(f"the corpus has {len(prompts)} prompts: too few for {cfg.samples} samples and "
+                             f"{cfg.eval_prompts} held-out prompts")
+        samples = self.make_data(prompts)
+        rng = np.random.default_rng(cfg.seed)
+        model, emb, row_of, label_of, scale = self.build(samples, rng)
+        model.to(self.device).train()
+        emb, row_of, label_of, scale = (x.to(self.device) for x in (emb, row_of, label_of, scale))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        step = 0
+        ckpt = self.out / "checkpoint.pt"
+        if ckpt.exists():
+            state = torch.load(ckpt, map_location=self.device, weights_only=False)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            scale = state["scale"].to(self.device)
+            rng.bit_generator.state = state["rng"]
+            step = state["step"]
+            self.log(f"resuming at step {step}")
+
+        def save():
+            with atomic_output(ckpt) as tmp:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scale": scale.cpu(),
+                            "rng": rng.bit_generator.state, "step": step}, tmp)
+
+        def lr_at(i):
+            if i < cfg.warmup:
+                return cfg.lr * (i + 1) / cfg.warmup
+            frac = (i - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+            return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+        weights = position_weights(cfg.block_size)
+        history = self.out / "train.log.jsonl"
+        bar = tqdm(total=cfg.steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True)
+        recent_loss, recent_acc = [], []
+        try:
+            while step < cfg.steps:
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step)
+                opt.zero_grad()
+                total, wsum, acc = 0.0, 0.0, []
+                for j in rng.choice(len(samples), size=cfg.batch, replace=False):
+                    b = sequence_loss(model, self.head(model), emb, row_of, label_of, samples[j], scale, cfg.anchors,
+                                      rng, weights)
+                    if b is None:
+                        continue
+                    (b.loss / (cfg.batch * cfg.anchors)).backward()
+                    total, wsum, acc = total + b.loss.item(), wsum + b.weight, acc + b.accepted
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                step += 1
+                recent_loss = (recent_loss + [total / max(wsum, 1e-9)])[-50:]
+                recent_acc = (recent_acc + [1 + float(np.mean(acc)) if acc else 1.0])[-50:]
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean(recent_loss):.3f}", tau_train=f"{np.mean(recent_acc):.2f}")
+                if step % cfg.save_every == 0 or step == cfg.steps:
+                    save()
+                    with open(history, "a") as f:
+                        f.write(json.dumps({"step": step, "loss": float(np.mean(recent_loss)),
+                                            "tau_train": float(np.mean(recent_acc)), "lr": lr_at(step - 1)}) + "\n")
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    model.eval()
+                    v = self.validate(model, scale, held_out)
+                    model.train()
+                    bar.write(f"step {step}: held-out mean acceptance length {v['mean_acceptance_length']:.2f} "
+                              f"(engine, {len(held_out)} prompts, {cfg.eval_tokens} tokens each)")
+                    with open(history, "a") as f:
+                        f.write(json.dumps({"step": step, "eval": v}) + "\n")
+        except KeyboardInterrupt:
+            save()
+            bar.close()
+            self.log(f"interrupted: saved step {step} to {ckpt}; run the same command to resume")
+            raise
+        bar.close()
+        model.eval()
+        out = self.export(model, scale, self.out / f"drafter-{cfg.outtype}.gguf", cfg.outtype, self.out / "zlab")
+        self.log(f"wrote {self.out / 'zlab'} (z-lab checkpoint) and {out}")
+        return out
+
+
+def add_train_args(p) -> None:
+    p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
+    p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
+    p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
+                   "size is the target's, since it reads the target's embeddings")
+    p.add_argument("--target-layers", help="comma-separated target layer-input indices to read features from "
+                   "(default: z-lab's spread for --layers)")
+    p.add_argument("--block-size", type=int, default=8, help="anchor + drafted tokens per block (default 8)")
+    p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
+                   "(default 32768 for targets with more than 65536 tokens, else the full vocabulary)")
+    p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
+                   "(default: Python standard library code and installed packages' descriptions)")
+    p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")
+    p.add_argument("--max-new", type=int, default=192, help="tokens per continuation (default 192)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out validations (0: none)")
+    p.add_argument("--eval-prompts", type=int, default=4)
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--outtype", default="q8_0", help="type of the exported GGUF (default q8_0)")
+
+
+def run_train(args) -> int:
+    from .models import default_target
+
+    layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    cfg = TrainConfig(
+        target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
+        target_layers=layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
+        samples=args.samples, max_new=args.max_new, steps=args.steps, batch=args.batch, anchors=args.anchors,
+        lr=args.lr, device=args.device, seed=args.seed, threads=args.threads, save_every=args.save_every,
+        eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
+        outtype=args.outtype,
+    )
+    try:
+        Trainer(cfg, log=lambda m: print(f"dflash-local train: {m}", file=sys.stderr)).run()
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,91 @@
+"""Training data for a drafter, made by the target itself: its greedy continuations of prompts and the hidden states
+of the selected layers at every position (the native feature export, as the engine uses it while drafting).
+
+One sample per file, `DIR/sample-NNNNNN.npz`: `tokens` (prompt + continuation, int32), `n_prompt`, and `features`
+[len(tokens) - 1, n_layers * n_embd] (float32: the last token was never decoded; gemma's hidden states exceed
+float16's range). `DIR/meta.json` records what made them. Sample i always comes from prompt i and files are written
+atomically, so an interrupted run resumes at the first missing file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import _native
+from .convert.gguf_out import atomic_output
+from .sampling import SamplingParams
+
+@dataclass
+class Sample:
+    tokens: np.ndarray  # int32 [n]
+    n_prompt: int
+    features: np.ndarray  # [n - 1, width]
+
+
+def sample_path(folder: Path, i: int) -> Path:
+    return folder / f"sample-{i:06d}.npz"
+
+
+def generate_sample(session, model, prompt: str, max_new: int, n_prompt_max: int) -> Sample:
+    """Greedy continuation of one prompt, with the target features of every decoded position."""
+    ids = model.tokenize(prompt, True, False)[:n_prompt_max]
+    greedy = SamplingParams(temperature=0.0).native()
+    session.truncate(0)
+    feats = []
+    last = None
+    for off in range(0, len(ids), 512):
+        last = session.prefill(ids[off : off + 512], greedy, 0)
+        feats.append(session.features())
+    tokens = list(ids)
+    while not model.is_eog(last):  # the end-of-generation token is never drafted: it is not kept
+        tokens.append(last)
+        if len(tokens) - len(ids) == max_new or session.n_past + 1 >= session.n_ctx:
+            break
+        last = session.step(last, 0, greedy, 0).tokens[0]
+        feats.append(session.features())
+    return Sample(np.asarray(tokens, dtype=np.int32), len(ids), np.concatenate(feats)[: len(tokens) - 1])
+
+
+def save_sample(path: Path, s: Sample) -> None:
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, tokens=s.tokens, n_prompt=np.int32(s.n_prompt), features=s.features)
+
+
+def load_sample(path: Path) -> Sample:
+    with np.load(path) as z:
+        return Sample(z["tokens"], int(z["n_prompt"]), z["features"])
+
+
+def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
+              n_threads: int, n_ctx: int = 1024, n_prompt_max: int = 256, progress=None) -> list[Path]:
+    """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"target": Path(target_path).name, "layers": list(layers), "max_new": max_new, "n_prompt_max": n_prompt_max,
+            "prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+    meta_path = folder / "meta.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old != meta:
+            diff = ", ".join(k for k in meta if old.get(k) != meta[k])
+            raise ValueError(f"{folder} holds data made differently ({diff}); use another --out or delete it")
+    else:
+        meta_path.write_text(json.dumps(meta, indent=1))
+    if n_samples > len(prompts):
+        raise ValueError(f"{n_samples} samples asked for, but the corpus has {len(prompts)} prompts")
+    todo = [i for i in range(n_samples) if not sample_path(folder, i).exists()]
+    if todo:
+        model = _native.Model(str(target_path), 0, False)
+        session = _native.Session(model, None, layers, n_ctx, n_threads,
+                                  _native.arch_records_layer_inputs(model.arch), False)
+        for i in todo:
+            s = generate_sample(session, model, prompts[i], max_new, n_prompt_max)
+            save_sample(sample_path(folder, i), s)
+            if progress:
+                progress(i, len(s.tokens) - s.n_prompt)
+    return [sample_path(folder, i) for i in range(n_samples)]

@@ -1,0 +1,179 @@
+"""`dflash-local train` on the tiny target: data from the native export, training, resume, validation, export."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_prompts
+
+torch = pytest.importorskip("torch")
+
+from dflash_local import Engine, _native  # noqa: E402
+from dflash_local.cli import main  # noqa: E402
+from dflash_local.corpus import read_corpus, training_prompts  # noqa: E402
+from dflash_local.gguf_file import read_gguf  # noqa: E402
+from dflash_local.sampling import SamplingParams  # noqa: E402
+from dflash_local.torch_drafter import TorchDraftBackend  # noqa: E402
+from dflash_local.train import Trainer, TrainConfig, draft_vocabulary, sequence_loss  # noqa: E402
+from dflash_local.traindata import Sample, load_sample  # noqa: E402
+
+ARGS = ["--samples", "10", "--max-new", "40", "--draft-vocab", "300", "--block-size", "6", "--layers", "1",
+        "--target-layers", "1,3", "--eval-every", "20", "--eval-prompts", "2", "--eval-tokens", "24",
+        "--save-every", "10", "--outtype", "f16", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "prompts.txt"
+    path.write_text("\n\n".join(make_prompts(20, seed=7)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_target, corpus):
+    """40 steps in two sittings: 20, then the same command resumed to 40."""
+    out = tmp_path_factory.mktemp("train") / "run"
+    base = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS
+    assert main(base + ["--steps", "20"]) == 0
+    first = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.npz")}
+    assert main(base + ["--steps", "40"]) == 0
+    return out, first
+
+
+def load_run(out):
+    cfg = TrainConfig(**json.loads((out / "train.json").read_text()))
+    tr = Trainer(cfg, log=lambda m: None)
+    tr.device = torch.device("cpu")
+    samples = [load_sample(p) for p in sorted((out / "data").glob("sample-*.npz"))]
+    model, emb, row_of, label_of, _ = tr.build(samples, np.random.default_rng(0))
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    return tr, model.eval(), emb, row_of, label_of, state["scale"], samples, state["step"]
+
+
+def test_data_is_the_targets_greedy_continuation_with_its_features(run, tiny_target, corpus):
+    out, _ = run
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["layers"] == [1, 3] and meta["max_new"] == 40
+    e = Engine(tiny_target, None, n_ctx=512)
+    for i, prompt in enumerate(training_prompts(corpus, seed=0)[:3]):  # sample i comes from prompt i
+        s = load_sample(out / "data" / f"sample-{i:06d}.npz")
+        assert s.tokens[: s.n_prompt].tolist() == e.prompt_tokens(prompt)
+        plain = e.complete(prompt, max_tokens=40).token_ids
+        assert s.tokens[s.n_prompt :].tolist() == plain[: len(s.tokens) - s.n_prompt]
+        assert len(s.features) == len(s.tokens) - 1
+    # the features are the target's at those positions, as the engine captures them while drafting
+    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False)
+    sess.prefill([int(t) for t in s.tokens[:-1]], SamplingParams().native(), 0)
+    np.testing.assert_allclose(sess.features(), s.features, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_keeps_data_and_continues_the_step_count(run):
+    out, first = run
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.npz")} == first  # not regenerated
+    assert len(first) == 10
+    log = [json.loads(x) for x in (out / "train.log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [10, 20, 30, 40]
+    assert [r["step"] for r in log if "eval" in r] == [20, 40]
+    assert log[-1]["eval"]["mean_acceptance_length"] >= 1.0 and log[-1]["eval"]["drafted"] > 0
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 40
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < losses[0]
+
+
+def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):
+    out, _ = run
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS + ["--steps", "50"]
+    args[args.index("--block-size") + 1] = "4"
+    assert main(args) == 2
+    assert "block_size" in capsys.readouterr().err
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 40  # nothing lost
+
+
+def test_export_is_a_zlab_checkpoint_and_a_reduced_vocab_gguf(run, tiny_target):
+    out, _ = run
+    cfg = json.loads((out / "zlab" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["block_size"] == 6
+    assert cfg["draft_vocab_size"] == 300
+    info = read_gguf(out / "drafter-f16.gguf")
+    assert tuple(info.tensors["d2t"].shape) == (300,) and "output.weight" in info.tensors
+    assert [int(v) for v in info.get("target_layers").values] == [1, 3]
+
+
+def test_trained_drafts_are_the_same_in_training_torch_and_llama_cpp(run, tiny_target):
+    """The training forward, the torch backend on the exported checkpoint and on the GGUF, and llama.cpp's graph
+    on the GGUF propose the same tokens: the feature scale folded into fc and the d2t map survive the export."""
+    out, _ = run
+    tr, model, emb, row_of, _, scale, samples, _ = load_run(out)
+    B = model.shape.block_size
+    from_zlab = TorchDraftBackend.load(out / "zlab", tiny_target)
+    from_gguf = TorchDraftBackend.load(out / "drafter-f16.gguf", tiny_target)
+    tm = _native.Model(str(tiny_target), 0, False)
+    dm = _native.Model(str(out / "drafter-f16.gguf"), 0, True)
+    greedy = SamplingParams().native()
+    checked = 0
+    for s in samples[:4]:
+        a = s.n_prompt + 3
+        with torch.no_grad():
+            ctx = model.context_kv(torch.from_numpy(s.features[:a]) / scale, torch.arange(a))
+            noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
+            h = model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:]
+            trained = model.d2t[(h @ tr.head(model).T).argmax(-1)].tolist()
+        for backend in (from_zlab, from_gguf):
+            backend.crop(0)
+            backend.add(s.features[:a], 0)
+            assert backend.propose(int(s.tokens[a]), B - 1) == trained
+        sess = _native.Session(tm, dm, [1, 3], 512, 2, False, False)
+        sess.prefill([int(t) for t in s.tokens[:a]], greedy, 0)
+        assert list(sess.step(int(s.tokens[a]), B - 1, greedy, 0).draft) == trained
+        checked += 1
+    assert checked == 4
+
+
+def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(run):
+    """The block mask: a batch of blocks gives each block the hidden states it gets alone (its context before the
+    anchor, bidirectional inside the block, nothing from the other blocks)."""
+    out, _ = run
+    tr, model, emb, row_of, label_of, scale, samples, _ = load_run(out)
+    s = samples[1]
+    B = model.shape.block_size
+    anchors = [s.n_prompt, s.n_prompt + 4, s.n_prompt + 11]
+    alone = []
+    with torch.no_grad():
+        for a in anchors:
+            ctx = model.context_kv(torch.from_numpy(s.features[:a]) / scale, torch.arange(a))
+            noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
+            alone.append(model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:] @ tr.head(model).T)
+
+        class Pick:  # rng stand-in: choose these anchors
+            def choice(self, cand, size, replace):
+                return np.array(anchors)
+
+        weights = torch.ones(B - 1)
+        b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 3, Pick(), weights)
+        labels = label_of[torch.from_numpy(s.tokens[[a + k for a in anchors for k in range(1, B)]].astype(np.int64))]
+        logits = torch.cat(alone)
+        ok = labels >= 0
+        ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum")
+    assert float(b.loss) == pytest.approx(float(ce), rel=1e-4)
+    right = (logits.argmax(-1) == labels).view(3, B - 1).int()
+    assert b.accepted == torch.cumprod(right, 1).sum(1).tolist()
+
+
+def test_draft_vocabulary_keeps_the_most_frequent_continuation_tokens():
+    s = [Sample(np.array([9, 9, 1, 1, 1, 2, 3, 3], dtype=np.int32), 2, np.zeros((7, 4), np.float32))]
+    assert draft_vocabulary(s, 10, 2).tolist() == [1, 3]  # prompt tokens (9) do not count
+    assert draft_vocabulary(s, 10, 4).tolist() == [0, 1, 2, 3]  # then the lowest ids
+
+
+def test_default_corpus_mixes_code_and_prose_and_is_reproducible(tmp_path):
+    a = training_prompts(seed=0)
+    assert a[:50] == training_prompts(seed=0)[:50]
+    assert any(p.lstrip().startswith(("def ", "class ", "async def ")) for p in a[:10])
+    assert any(not p.lstrip().startswith(("def ", "class ", "async def ", "@")) for p in a[:10])
+    (tmp_path / "c.jsonl").write_text('{"prompt": "one"}\n\n{"text": "two"}\n')
+    assert read_corpus(tmp_path / "c.jsonl") == ["one", "two"]
+    (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_corpus(tmp_path / "bad.jsonl")
