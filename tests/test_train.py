@@ -101,34 +101,52 @@ def test_export_is_a_zlab_checkpoint_and_a_reduced_vocab_gguf(run, tiny_target):
     assert [int(v) for v in info.get("target_layers").values] == [1, 3]
 
 
-def test_trained_drafts_are_the_same_in_training_torch_and_llama_cpp(run, tiny_target):
-    """The training forward, the torch backend on the exported checkpoint and on the GGUF, and llama.cpp's graph
-    on the GGUF propose the same tokens: the feature scale folded into fc and the d2t map survive the export."""
-    out, _ = run
+def check_drafts_agree(out, target, n_samples=4, backends=("zlab", "gguf")):
+    """The training forward, the torch backend on the exported checkpoint and on the GGUF, and llama.cpp's graph on
+    the GGUF propose the same tokens."""
     tr, model, emb, row_of, _, scale, samples, _ = load_run(out)
     B = model.shape.block_size
-    from_zlab = TorchDraftBackend.load(out / "zlab", tiny_target)
-    from_gguf = TorchDraftBackend.load(out / "drafter-f16.gguf", tiny_target)
-    tm = _native.Model(str(tiny_target), 0, False)
-    dm = _native.Model(str(out / "drafter-f16.gguf"), 0, True)
+    gguf = next(out.glob("drafter-*.gguf"))
+    torch_backends = [TorchDraftBackend.load(out / "zlab" if b == "zlab" else gguf, target) for b in backends]
+    tm = _native.Model(str(target), 0, False)
+    dm = _native.Model(str(gguf), 0, True)
+    layers = model.shape.target_layers
     greedy = SamplingParams().native()
     checked = 0
-    for s in samples[:4]:
+    for s in [s for s in samples if len(s.tokens) > s.n_prompt + 4][:n_samples]:
         a = s.n_prompt + 3
         with torch.no_grad():
             ctx = model.context_kv(torch.from_numpy(s.features[:a]) / scale, torch.arange(a))
             noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
             h = model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:]
             trained = model.d2t[(h @ tr.head(model).T).argmax(-1)].tolist()
-        for backend in (from_zlab, from_gguf):
+        for backend in torch_backends:
             backend.crop(0)
             backend.add(s.features[:a], 0)
             assert backend.propose(int(s.tokens[a]), B - 1) == trained
-        sess = _native.Session(tm, dm, [1, 3], 512, 2, False, False)
+        sess = _native.Session(tm, dm, layers, 512, 2, _native.arch_records_layer_inputs(tm.arch), False)
         sess.prefill([int(t) for t in s.tokens[:a]], greedy, 0)
         assert list(sess.step(int(s.tokens[a]), B - 1, greedy, 0).draft) == trained
         checked += 1
-    assert checked == 4
+    assert checked == n_samples
+
+
+def test_trained_drafts_are_the_same_in_training_torch_and_llama_cpp(run, tiny_target):
+    """The feature scale folded into fc and the d2t map survive the export."""
+    check_drafts_agree(run[0], tiny_target)
+
+
+def test_train_on_gemma(gemma_target, tmp_path):
+    """gemma3 runs the eval-callback capture, has hidden states beyond float16's range and a 262k vocabulary."""
+    (tmp_path / "c.txt").write_text("The river\n\ndef main():\n\nOnce upon a time\n\nThe best way to\n")
+    out = tmp_path / "run"
+    assert main(["train", "-m", str(gemma_target), "-o", str(out), "--corpus", str(tmp_path / "c.txt"),
+                 "--samples", "2", "--max-new", "16", "--steps", "3", "--eval-every", "3", "--eval-prompts", "1",
+                 "--eval-tokens", "8", "--block-size", "4", "--draft-vocab", "2048", "--outtype", "q8_0"]) == 0
+    info = read_gguf(out / "drafter-q8_0.gguf")
+    assert tuple(info.tensors["d2t"].shape) == (2048,) and info.tensors["fc.weight"].type == "Q8_0"
+    assert [int(v) for v in info.get("target_layers").values] == [10]  # one layer: the middle of 18
+    check_drafts_agree(out, gemma_target, n_samples=2, backends=("zlab",))
 
 
 def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(run):
@@ -165,6 +183,8 @@ def test_draft_vocabulary_keeps_the_most_frequent_continuation_tokens():
     s = [Sample(np.array([9, 9, 1, 1, 1, 2, 3, 3], dtype=np.int32), 2, np.zeros((7, 4), np.float32))]
     assert draft_vocabulary(s, 10, 2).tolist() == [1, 3]  # prompt tokens (9) do not count
     assert draft_vocabulary(s, 10, 4).tolist() == [0, 1, 2, 3]  # then the lowest ids
+    prior = np.array([0, 0, 0, 0, 0, 0, 0, 0, 5, 9], dtype=float)
+    assert draft_vocabulary(s, 10, 4, prior).tolist() == [1, 2, 3, 9]  # or the tokenizer's scores
 
 
 def test_default_corpus_mixes_code_and_prose_and_is_reproducible(tmp_path):
