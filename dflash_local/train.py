@@ -38,7 +38,8 @@ from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
 from .traindata import Sample, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
-SHAPE_FIELDS = ("n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "samples", "max_new", "seed")
+# (--samples may grow: the draft vocabulary is kept in the checkpoint)
+SHAPE_FIELDS = ("n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new", "seed")
 
 
 @dataclass
@@ -87,6 +88,14 @@ def draft_vocabulary(samples: list[Sample], n_vocab: int, n: int, prior: np.ndar
         np.add.at(counts, s.tokens[s.n_prompt :], 1)
     prior = -np.arange(n_vocab, dtype=np.float64) if prior is None else prior
     return np.sort(np.lexsort((-prior, -counts))[:n])
+
+
+def label_index(model: DFlashDrafter, n_vocab: int) -> torch.Tensor:
+    """Target token -> row of the drafter's LM head (-1 for tokens outside a reduced draft vocabulary)."""
+    ids = model.d2t.cpu() if model.d2t is not None else torch.arange(n_vocab)
+    out = torch.full((n_vocab,), -1, dtype=torch.long)
+    out[ids] = torch.arange(len(ids))
+    return out
 
 
 def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 50000) -> np.ndarray:
@@ -199,18 +208,13 @@ class Trainer:
             ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab, prior)
             model.lm_head = torch.nn.Parameter(torch.from_numpy(target_rows(t, ids)))
             model.d2t = torch.from_numpy(ids)
-            head_ids = ids
-        else:
-            head_ids = np.arange(t.n_vocab)
         # embeddings of every token the blocks can hold (anchors and the mask), scaled as the drafter's graph does
         used = np.unique(np.concatenate([s.tokens for s in samples] + [[model.shape.mask_token]]))
         emb = torch.from_numpy(target_rows(t, used, "token_embd.weight")) * model.shape.embedding_scale
         row_of = torch.full((t.n_vocab,), -1, dtype=torch.long)
         row_of[torch.from_numpy(used)] = torch.arange(len(used))
-        label_of = torch.full((t.n_vocab,), -1, dtype=torch.long)
-        label_of[torch.from_numpy(head_ids)] = torch.arange(len(head_ids))
         scale = torch.from_numpy(feature_scale(samples, rng))
-        return model, emb, row_of, label_of, scale
+        return model, emb, row_of, scale
 
     def head(self, model: DFlashDrafter) -> torch.Tensor:
         if model.lm_head is not None:
@@ -291,9 +295,9 @@ class Trainer:
                              f"{cfg.eval_prompts} held-out prompts")
         samples = self.make_data(prompts)
         rng = np.random.default_rng(cfg.seed)
-        model, emb, row_of, label_of, scale = self.build(samples, rng)
+        model, emb, row_of, scale = self.build(samples, rng)
         model.to(self.device).train()
-        emb, row_of, label_of, scale = (x.to(self.device) for x in (emb, row_of, label_of, scale))
+        emb, row_of, scale = (x.to(self.device) for x in (emb, row_of, scale))
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         step = 0
         ckpt = self.out / "checkpoint.pt"
@@ -305,6 +309,7 @@ class Trainer:
             rng.bit_generator.state = state["rng"]
             step = state["step"]
             self.log(f"resuming at step {step}")
+        label_of = label_index(model, self.target_info.n_vocab).to(self.device)
 
         def save():
             with atomic_output(ckpt) as tmp:

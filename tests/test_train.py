@@ -14,7 +14,7 @@ from dflash_local.corpus import read_corpus, training_prompts  # noqa: E402
 from dflash_local.gguf_file import read_gguf  # noqa: E402
 from dflash_local.sampling import SamplingParams  # noqa: E402
 from dflash_local.torch_drafter import TorchDraftBackend  # noqa: E402
-from dflash_local.train import Trainer, TrainConfig, draft_vocabulary, sequence_loss  # noqa: E402
+from dflash_local.train import Trainer, TrainConfig, draft_vocabulary, label_index, sequence_loss  # noqa: E402
 from dflash_local.traindata import Sample, load_sample  # noqa: E402
 
 ARGS = ["--samples", "10", "--max-new", "40", "--draft-vocab", "300", "--block-size", "6", "--layers", "1",
@@ -36,7 +36,9 @@ def run(tmp_path_factory, tiny_target, corpus):
     base = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS
     assert main(base + ["--steps", "20"]) == 0
     first = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.npz")}
-    assert main(base + ["--steps", "40"]) == 0
+    args = base + ["--steps", "40"]
+    args[args.index("--samples") + 1] = "12"  # more data in the second sitting: the vocabulary stays
+    assert main(args) == 0
     return out, first
 
 
@@ -45,9 +47,10 @@ def load_run(out):
     tr = Trainer(cfg, log=lambda m: None)
     tr.device = torch.device("cpu")
     samples = [load_sample(p) for p in sorted((out / "data").glob("sample-*.npz"))]
-    model, emb, row_of, label_of, _ = tr.build(samples, np.random.default_rng(0))
+    model, emb, row_of, _ = tr.build(samples, np.random.default_rng(0))
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     model.load_state_dict(state["model"])
+    label_of = label_index(model, tr.target_info.n_vocab)
     return tr, model.eval(), emb, row_of, label_of, state["scale"], samples, state["step"]
 
 
@@ -68,10 +71,15 @@ def test_data_is_the_targets_greedy_continuation_with_its_features(run, tiny_tar
     np.testing.assert_allclose(sess.features(), s.features, rtol=1e-5, atol=1e-5)
 
 
-def test_resume_keeps_data_and_continues_the_step_count(run):
+def test_resume_keeps_data_and_continues_the_step_count(run, tiny_target):
     out, first = run
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.npz")} == first  # not regenerated
-    assert len(first) == 10
+    now = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("*.npz")}
+    assert len(first) == 10 and len(now) == 12
+    assert {k: now[k] for k in first} == first  # not regenerated
+    # the reduced vocabulary chosen from the first 10 samples is kept by the resumed run and exported
+    first_ten = [load_sample(out / "data" / f"sample-{i:06d}.npz") for i in range(10)]
+    d2t = TorchDraftBackend.load(out / "drafter-f16.gguf", tiny_target).model.d2t.numpy()
+    assert np.array_equal(d2t, draft_vocabulary(first_ten, 488, 300))
     log = [json.loads(x) for x in (out / "train.log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == [10, 20, 30, 40]
     assert [r["step"] for r in log if "eval" in r] == [20, 40]
