@@ -2,7 +2,8 @@
 
 The default corpus needs no network and exists wherever Python does: code prompts are the openings of functions and
 classes in the Python standard library's sources; prose prompts are the opening words of paragraphs from the
-descriptions of the installed Python packages (their METADATA). A drafter learns the target's own continuations of
+descriptions of the installed Python packages (their METADATA), so it varies with what is installed: each data
+file records its prompt. A drafter learns the target's own continuations of
 these prompts, so the prompts only need to be varied, not good. `--corpus FILE` replaces them: a text file (one
 prompt per paragraph, paragraphs separated by a blank line) or JSONL (one object per line with "prompt" or "text").
 """
@@ -44,7 +45,7 @@ def prose_prompts() -> list[str]:
         name = dist.metadata.get("Name")
         text = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
         text = text or dist.metadata.get("Description") or ""
-        if not name or name.lower() in seen:
+        if not name or name.lower() in seen or name.lower() == "dflash-local":  # not our own, ever-changing README
             continue
         seen.add(name.lower())
         for para in re.split(r"\n\s*\n", text):

@@ -1,15 +1,14 @@
 """Training data for a drafter, made by the target itself: its greedy continuations of prompts and the hidden states
 of the selected layers at every position (the native feature export, as the engine uses it while drafting).
 
-One sample per file, `DIR/sample-NNNNNN.npz`: `tokens` (prompt + continuation, int32), `n_prompt`, and `features`
-[len(tokens) - 1, n_layers * n_embd] (float32: the last token was never decoded; gemma's hidden states exceed
+One sample per file, `DIR/sample-NNNNNN.npz`: `prompt` (its text), `tokens` (prompt + continuation, int32),
+`n_prompt`, and `features` [len(tokens) - 1, n_layers * n_embd] (float32: the last token was never decoded; gemma's hidden states exceed
 float16's range). `DIR/meta.json` records what made them. Sample i always comes from prompt i and files are written
-atomically, so an interrupted run resumes at the first missing file.
+atomically, so an interrupted run resumes at the first missing file; a file made from another prompt is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ class Sample:
     tokens: np.ndarray  # int32 [n]
     n_prompt: int
     features: np.ndarray  # [n - 1, width]
+    prompt: str = ""
 
 
 def sample_path(folder: Path, i: int) -> Path:
@@ -48,17 +48,17 @@ def generate_sample(session, model, prompt: str, max_new: int, n_prompt_max: int
             break
         last = session.step(last, 0, greedy, 0).tokens[0]
         feats.append(session.features())
-    return Sample(np.asarray(tokens, dtype=np.int32), len(ids), np.concatenate(feats)[: len(tokens) - 1])
+    return Sample(np.asarray(tokens, dtype=np.int32), len(ids), np.concatenate(feats)[: len(tokens) - 1], prompt)
 
 
 def save_sample(path: Path, s: Sample) -> None:
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, tokens=s.tokens, n_prompt=np.int32(s.n_prompt), features=s.features)
+        np.savez(f, prompt=np.array(s.prompt), tokens=s.tokens, n_prompt=np.int32(s.n_prompt), features=s.features)
 
 
 def load_sample(path: Path) -> Sample:
     with np.load(path) as z:
-        return Sample(z["tokens"], int(z["n_prompt"]), z["features"])
+        return Sample(z["tokens"], int(z["n_prompt"]), z["features"], str(z["prompt"]))
 
 
 def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
@@ -66,8 +66,7 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
     """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"target": Path(target_path).name, "layers": list(layers), "max_new": max_new, "n_prompt_max": n_prompt_max,
-            "prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+    meta = {"target": Path(target_path).name, "layers": list(layers), "max_new": max_new, "n_prompt_max": n_prompt_max}
     meta_path = folder / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -78,7 +77,16 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
         meta_path.write_text(json.dumps(meta, indent=1))
     if n_samples > len(prompts):
         raise ValueError(f"{n_samples} samples asked for, but the corpus has {len(prompts)} prompts")
-    todo = [i for i in range(n_samples) if not sample_path(folder, i).exists()]
+    todo = []
+    for i in range(n_samples):
+        path = sample_path(folder, i)
+        if not path.exists():
+            todo.append(i)
+            continue
+        with np.load(path) as z:
+            if "prompt" not in z or str(z["prompt"]) != prompts[i]:
+                raise ValueError(f"{path} was made from another prompt than the corpus's prompt {i} (another corpus, "
+                                 f"seed or set of installed packages); use another --out or delete it")
     if todo:
         model = _native.Model(str(target_path), 0, False)
         session = _native.Session(model, None, layers, n_ctx, n_threads,

@@ -15,7 +15,7 @@ from dflash_local.gguf_file import read_gguf  # noqa: E402
 from dflash_local.sampling import SamplingParams  # noqa: E402
 from dflash_local.torch_drafter import TorchDraftBackend  # noqa: E402
 from dflash_local.train import Trainer, TrainConfig, draft_vocabulary, label_index, sequence_loss  # noqa: E402
-from dflash_local.traindata import Sample, load_sample  # noqa: E402
+from dflash_local.traindata import Sample, load_sample, make_data  # noqa: E402
 
 ARGS = ["--samples", "10", "--max-new", "40", "--draft-vocab", "300", "--block-size", "6", "--layers", "1",
         "--target-layers", "1,3", "--eval-every", "20", "--eval-prompts", "2", "--eval-tokens", "24",
@@ -87,6 +87,14 @@ def test_resume_keeps_data_and_continues_the_step_count(run, tiny_target):
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 40
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses[-1] < losses[0]
+
+
+def test_data_from_other_prompts_is_refused(run, tiny_target, corpus):
+    out, _ = run
+    prompts = training_prompts(corpus, seed=0)
+    with pytest.raises(ValueError, match="sample-000000.npz was made from another prompt"):
+        make_data(tiny_target, out / "data", [1, 3], prompts[::-1], 12, 40, 2)
+    assert len(make_data(tiny_target, out / "data", [1, 3], prompts, 12, 40, 2)) == 12  # the same ones are reused
 
 
 def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):
