@@ -387,6 +387,7 @@ class Engine:
             return DraftPolicy(0)
         if self._policy is None or (self._policy.max_draft, self._policy.adaptive) != (max_draft, adaptive):
             self._policy = DraftPolicy(max_draft, adaptive)
+        self._policy.new_text()
         return self._policy
 
     def complete(self, *args, **kwargs) -> Finished:

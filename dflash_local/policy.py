@@ -10,7 +10,8 @@ decoding. The adaptive policy picks the n that maximises expected tokens per mil
 a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
 measured times, filled in for unmeasured sizes by a line through the measured ones. A full block that paid off (more
 tokens per millisecond than plain decoding) is followed by another; when drafting does not pay, it decodes plainly
-and drafts a full block every `probe_every` steps to keep learning.
+and drafts a full block every `probe_every` steps to keep learning, waiting twice as long after each probe that did
+not pay (up to `max_probe_every`), since on CPUs a full block costs several plain steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class DraftPolicy:
     max_draft: int  # block size - 1
     adaptive: bool = True
     probe_every: int = 16
+    max_probe_every: int = 256
     accepted: list[float] = field(default_factory=list)  # decayed counts per draft position
     tried: list[float] = field(default_factory=list)
     verify_ms: dict[int, float] = field(default_factory=dict)  # tokens verified -> median of recent steps
@@ -35,10 +37,16 @@ class DraftPolicy:
     samples: dict[tuple[str, int], deque] = field(default_factory=dict)
     steps_since_draft: int = 0
     paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
+    interval: int = 0  # plain steps before the next probe
 
     def __post_init__(self):
+        self.interval = self.probe_every
         self.accepted = [0.0] * self.max_draft
         self.tried = [0.0] * self.max_draft
+
+    def new_text(self) -> None:
+        """A new generation: the drafter may fare better on it, so probe at the base interval again."""
+        self.interval = self.probe_every
 
     def acceptance(self) -> list[float]:
         return [(a + 1) / (t + 2) for a, t in zip(self.accepted, self.tried)]
@@ -69,7 +77,7 @@ class DraftPolicy:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
         plain = self._estimate(self.verify_ms, 1)
-        if plain is None or self.paid_off or self.steps_since_draft >= self.probe_every:
+        if plain is None or self.paid_off or self.steps_since_draft >= self.interval:
             return self.max_draft  # probe, and keep going while full blocks pay off (the estimates catch up)
         best, best_rate = 0, 1.0 / max(plain, 1e-6)
         for n in range(1, self.max_draft + 1):
@@ -89,6 +97,7 @@ class DraftPolicy:
             # judged on the running medians, not on this one step's timing
             plain, cost = self._estimate(self.verify_ms, 1), self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted]
             self.paid_off = plain is not None and (n_accepted + 1) / max(cost, 1e-6) > MARGIN / max(plain, 1e-6)
+            self.interval = self.probe_every if self.paid_off else min(2 * self.interval, self.max_probe_every)
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):
             self.tried[k] = self.tried[k] * DECAY + 1

@@ -38,6 +38,23 @@ def test_probes_unknown_sizes_and_after_long_plain_runs():
     assert p.acceptance()[6] > 0.0
 
 
+def test_probes_back_off_while_they_do_not_pay_and_return_when_one_does():
+    p = trained(0.0, {1: 10.0, 8: 60.0}, {7: 5.0})
+    waits = []
+    for _ in range(6):
+        n = 0
+        while p.choose() == 0:
+            p.update(0, 0, 10.0, 0.0)
+            n += 1
+        waits.append(n)
+        p.update(7, 0, 60.0, 5.0)  # a probe that got nothing accepted
+    assert waits == [16, 32, 64, 128, 256, 256]
+    while p.choose() == 0:
+        p.update(0, 0, 10.0, 0.0)
+    p.update(7, 7, 60.0, 5.0)  # 8 tokens in 65 ms beat plain decoding's 10 ms per token
+    assert p.paid_off and p.interval == p.probe_every and p.choose() == 7
+
+
 def test_tiny_or_extrapolated_costs_never_divide_by_zero():
     p = DraftPolicy(3)
     p.update(3, 1, 0.0, 0.0)  # a step too fast for the clock
