@@ -42,7 +42,9 @@ class Runner:
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order
 
     def submit(self, **generate_kwargs) -> Job:
-        if self.waiting >= self.max_queue:
+        # while the engine is free, one of the waiting jobs is about to start (its task has not run yet): it does
+        # not count against the queue
+        if self.waiting >= self.max_queue + (0 if self._lock.locked() else 1):
             raise QueueFullError(f"{self.waiting} requests are already waiting")
         job = Job()
         self.waiting += 1
