@@ -157,6 +157,7 @@ class Trainer:
             raise ValueError(f"--draft-vocab must be between 1 and the target's {t.n_vocab} tokens")
         if cfg.block_size < 2:
             raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
+        self._full_head = None
         self._check_resume()
 
     def _check_resume(self) -> None:
@@ -181,12 +182,11 @@ class Trainer:
 
     def make_data(self, prompts: list[str]) -> list[Sample]:
         cfg = self.cfg
-        t0, done = time.perf_counter(), [0, 0]
+        t0, done = time.perf_counter(), [0]  # tokens made by this run
 
         def progress(i, n_new):
-            done[0] += 1
-            done[1] += n_new
-            rate = done[1] / (time.perf_counter() - t0)
+            done[0] += n_new
+            rate = done[0] / (time.perf_counter() - t0)
             self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
@@ -219,7 +219,7 @@ class Trainer:
     def head(self, model: DFlashDrafter) -> torch.Tensor:
         if model.lm_head is not None:
             return model.lm_head
-        if not hasattr(self, "_full_head"):  # the target's own head, frozen
+        if self._full_head is None:  # the target's own head, frozen
             t = self.target_info
             self._full_head = torch.from_numpy(target_rows(t, np.arange(t.n_vocab))).to(self.device)
         return self._full_head

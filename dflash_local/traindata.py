@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _native
 from .convert.gguf_out import atomic_output
+from .engine import PREFILL_CHUNK
 from .sampling import SamplingParams
 
 @dataclass
@@ -38,8 +39,8 @@ def generate_sample(session, model, prompt: str, max_new: int, n_prompt_max: int
     session.truncate(0)
     feats = []
     last = None
-    for off in range(0, len(ids), 512):
-        last = session.prefill(ids[off : off + 512], greedy, 0)
+    for off in range(0, len(ids), PREFILL_CHUNK):  # features() holds the last decode's rows only
+        last = session.prefill(ids[off : off + PREFILL_CHUNK], greedy, 0)
         feats.append(session.features())
     tokens = list(ids)
     while not model.is_eog(last):  # the end-of-generation token is never drafted: it is not kept
