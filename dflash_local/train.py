@@ -371,13 +371,22 @@ class Trainer:
         return out
 
 
+def _layer_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer numbers separated by commas, e.g. 2,9,16") from None
+
+
 def add_train_args(p) -> None:
     p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
     p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
                    "size is the target's, since it reads the target's embeddings")
-    p.add_argument("--target-layers", help="comma-separated target layer-input indices to read features from "
+    p.add_argument("--target-layers", type=_layer_list, help="comma-separated target layer-input indices to read features from "
                    "(default: z-lab's spread for --layers)")
     p.add_argument("--block-size", type=int, default=8, help="anchor + drafted tokens per block (default 8)")
     p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
@@ -403,10 +412,9 @@ def add_train_args(p) -> None:
 def run_train(args) -> int:
     from .models import default_target
 
-    layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     cfg = TrainConfig(
         target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
-        target_layers=layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
+        target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, steps=args.steps, batch=args.batch, anchors=args.anchors,
         lr=args.lr, device=args.device, seed=args.seed, threads=args.threads, save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
