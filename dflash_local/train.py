@@ -62,6 +62,7 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int | None = None
+    n_gpu_layers: int = 0
     save_every: int = 100
     eval_every: int = 500
     eval_prompts: int = 4
@@ -190,7 +191,8 @@ class Trainer:
             self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
-                          cfg.threads or os.cpu_count(), progress=progress)
+                          cfg.threads or os.cpu_count(), progress=progress,
+                          n_gpu_layers=cfg.n_gpu_layers)
         return [load_sample(p) for p in paths]
 
     # -- model ------------------------------------------------------------------------------------------------------
@@ -270,7 +272,8 @@ class Trainer:
 
         cfg = self.cfg
         path = self.export(model, scale, self.out / "eval" / "drafter.gguf", "f32")
-        engine = Engine(cfg.target, path, n_ctx=2048, n_threads=cfg.threads, draft_policy="fixed")
+        engine = Engine(cfg.target, path, n_ctx=2048, n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers,
+                        draft_policy="fixed")
         drafted = accepted = steps = 0
         for p in prompts:
             s = engine.complete(p, max_tokens=cfg.eval_tokens).summary
@@ -402,6 +405,8 @@ def add_train_args(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="target layers on the GPU for data generation and validation (-1: all)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out validations (0: none)")
     p.add_argument("--eval-prompts", type=int, default=4)
@@ -416,7 +421,8 @@ def run_train(args) -> int:
         target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, steps=args.steps, batch=args.batch, anchors=args.anchors,
-        lr=args.lr, device=args.device, seed=args.seed, threads=args.threads, save_every=args.save_every,
+        lr=args.lr, device=args.device, seed=args.seed, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+        save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         outtype=args.outtype,
     )

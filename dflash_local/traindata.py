@@ -63,7 +63,8 @@ def load_sample(path: Path) -> Sample:
 
 
 def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
-              n_threads: int, n_ctx: int = 1024, n_prompt_max: int = 256, progress=None) -> list[Path]:
+              n_threads: int, n_ctx: int = 1024, n_prompt_max: int = 256, progress=None,
+              n_gpu_layers: int = 0) -> list[Path]:
     """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
                 raise ValueError(f"{path} was made from another prompt than the corpus's prompt {i} (another corpus, "
                                  f"seed or set of installed packages); use another --out or delete it")
     if todo:
-        model = _native.Model(str(target_path), 0, False)
+        model = _native.Model(str(target_path), n_gpu_layers, False)
         session = _native.Session(model, None, layers, n_ctx, n_threads,
                                   _native.arch_records_layer_inputs(model.arch), False)
         for i in todo:
