@@ -53,17 +53,17 @@ def test_every_command_has_help_without_the_extras(bare_env, tmp_path):
 
 
 def test_generate_without_torch_is_lossless(bare_env, tmp_path, tiny_target, tiny_drafter):
-    def tokens(*args):
+    def generate(*args):
         r = dflash(bare_env, tmp_path, "generate", "-p", PROMPT, "-n", 24, "--json", *args)
         assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)["token_ids"], r.stderr
+        return json.loads(r.stdout), r.stderr
 
     # the tiny pair, and the default pair of scripts/demo.sh: the gemma target and the drafter shipped in the package
-    draft, _ = tokens("-m", tiny_target, "-d", tiny_drafter)
-    assert len(draft) == 24 and draft == tokens("-m", tiny_target, "--no-draft")[0]
-    draft, log = tokens()
+    for pair in (["-m", tiny_target, "-d", tiny_drafter], []):
+        (draft, log), (plain, _) = generate(*pair), generate(*pair[:2], "--no-draft")
+        assert draft["draft_ms"] > 0 and plain["draft_ms"] == 0
+        assert len(draft["token_ids"]) == 24 and draft["token_ids"] == plain["token_ids"]
     assert "and gemma-3-270m-dflash-q8_0.gguf" in log  # the shipped drafter was found and loaded
-    assert len(draft) == 24 and draft == tokens("--no-draft")[0]
 
 
 def test_torch_commands_say_which_extra_to_install(bare_env, tmp_path, tiny_target, tiny_drafter):
