@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from ..gguf_file import GGUFInfo
+from dflash_local.gguf_file import GGUFInfo
+
 from .errors import ConvertError
 
 

@@ -1,19 +1,19 @@
-"""Writing GGUF files safely: into a temporary file beside the destination, renamed into place only when complete.
+"""Writing GGUF files: the keys DFlash drafters carry, the target's tokenizer, and safe writing (through
+dflash_local.atomic: a temporary file beside the destination, renamed into place only when complete).
 
 Shared by init_drafter (small drafters built in memory) and the HF converter (tensors streamed one at a time).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import gguf
 
-from ..gguf_file import ArrayInfo, read_gguf
+from dflash_local.atomic import atomic_output
+from dflash_local.gguf_file import ArrayInfo, read_gguf
 
 # targets whose GGUF tokenizer has no mask token get one of their unused special tokens
 _MASK_CANDIDATES = ("<mask>", "<|mask|>", "[MASK]", "<unused0>", "<|reserved_special_token_0|>")
@@ -52,26 +52,6 @@ def noise_embedding_scale(target_arch: str, hidden: int, given: float | None = N
     if given is None and target_arch.startswith("gemma"):
         return math.sqrt(hidden)
     return given
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, suffix: str = ".part"):
-    """Yield a temporary path in the destination's folder; on success it replaces `path`, on any failure it goes.
-
-    A reader never sees a half-written file at `path`, and an interrupted run leaves nothing behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_gguf_atomic(path: str | os.PathLike, arch: str, fill) -> Path:

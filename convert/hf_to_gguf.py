@@ -20,11 +20,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..gguf_file import GGUFError, GGUFInfo, read_gguf
-from ..validate import PairError, check_pair
+from dflash_local.atomic import atomic_output
+from dflash_local.gguf_file import GGUFError, GGUFInfo, read_gguf
+from dflash_local.validate import PairError, check_pair
+
 from .draft_vocab import read_token_ids, target_rows
 from .errors import ConvertError
-from .gguf_out import add_dflash_keys, add_model_hparams, atomic_output, noise_embedding_scale, tokenizer_kv
+from .gguf_out import add_dflash_keys, add_model_hparams, noise_embedding_scale, tokenizer_kv
 from .hub import resolve_source
 from .outtypes import OUTTYPES, OutType, encode, tensor_nbytes, tensor_type
 from .safetensors_file import read_tensor

@@ -12,8 +12,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..gguf_file import ArrayInfo, read_gguf
-from .gguf_out import add_dflash_keys, add_model_hparams, noise_embedding_scale, tokenizer_kv, write_gguf_atomic  # write_gguf_atomic: tests import it here
+from dflash_local.gguf_file import ArrayInfo, read_gguf
+
+from .gguf_out import add_dflash_keys, add_model_hparams, noise_embedding_scale, tokenizer_kv, write_gguf_atomic
 
 
 def default_target_layers(n_layer: int, k: int) -> list[int]:

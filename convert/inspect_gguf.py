@@ -12,7 +12,7 @@ from collections import Counter
 
 from gguf import LlamaFileType
 
-from ..gguf_file import ArrayInfo, GGUFInfo, read_gguf
+from dflash_local.gguf_file import ArrayInfo, GGUFInfo, read_gguf
 
 _VTYPES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "str", 10: "u64",
            11: "i64", 12: "f64"}

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_local.atomic import atomic_output
+
 from .errors import ConvertError
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
@@ -126,8 +128,6 @@ def read_tensor(t: SafeTensor) -> np.ndarray:
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> Path:
     """Write float32 and int64 arrays as one safetensors file, atomically."""
-    from .gguf_out import atomic_output
-
     names = {np.dtype("<f4"): "F32", np.dtype("<i8"): "I64"}
     header, offset, arrays = {}, 0, []
     for name, a in tensors.items():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_local.atomic import atomic_output
+
 from .errors import ConvertError
 from .safetensors_file import SafeTensor, read_header
 
@@ -324,7 +326,6 @@ def zlab_name(name: str) -> str:
 
 def write_checkpoint(folder: str | Path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
     """A z-lab checkpoint folder (config.json, model.safetensors) from GGUF-named tensors; each file atomically."""
-    from .gguf_out import atomic_output
     from .safetensors_file import write_safetensors
 
     folder = Path(folder)

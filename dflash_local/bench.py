@@ -13,10 +13,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import _native
 from .engine import Engine
+from .extras import install_hint
+
+NO_PLOT = f"dflash-local bench: matplotlib is not installed, so no bench.png ({install_hint('bench')})"
 
 DEFAULT_PROMPTS = [
     {"prompt": "Write a Python function that checks whether a string is a palindrome.\n\n```python\n"},
@@ -177,6 +181,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -196,19 +208,29 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(result: dict, out: Path) -> None:
+def write_outputs(result: dict, out: Path, with_plot: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
     (out / "bench.md").write_text(markdown(result))
-    plot(result, out / "bench.png")
+    if with_plot:
+        plot(result, out / "bench.png")
+    else:
+        (out / "bench.png").unlink(missing_ok=True)  # an earlier run's picture would not match these results
 
 
-def cmd_bench(args, engine: Engine) -> int:
+def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
+    # the plot is the only part that needs matplotlib (the bench extra): without it the run goes on, said up front
+    with_plot = have_matplotlib()
+    if not with_plot:
+        print(NO_PLOT, file=sys.stderr)
     prompts = load_prompts(args.prompts)
+    engine = load_engine()
     result = run_bench(engine, prompts, args.max_tokens, peer=not args.no_peer,
                        log=lambda m: print(m, file=sys.stderr))
-    write_outputs(result, Path(args.out))
+    write_outputs(result, Path(args.out), with_plot)
     print(markdown(result))
+    if not with_plot:
+        print(NO_PLOT, file=sys.stderr)
     if not result["overall"]["lossless"]:
         print("dflash-local: error: a DFlash output differs from the baseline", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""The `dflash-local` command line."""
+"""The `dflash-local` command line. Each command imports what it runs when it runs: torch (train, --draft-backend
+torch) and matplotlib (bench's plot) are optional extras, and convert, inspect and pull do not load llama.cpp."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .extras import MissingExtraError
 from .gguf_file import GGUFError
 
 
@@ -142,7 +144,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_tui(args) -> int:
-    from .tui.app import run
+    from dflash_local.tui.app import run
 
     return run(_load_engine(args), args.n_gpu_layers)
 
@@ -152,11 +154,12 @@ def cmd_bench(args) -> int:
 
     if _pair(args)[1] is None:
         raise ValueError("bench compares DFlash with plain decoding: give a drafter with -d")
-    return run(args, _load_engine(args))
+    return run(args, lambda: _load_engine(args))
 
 
 def cmd_init_drafter(args) -> int:
-    from .convert.init_drafter import init_drafter
+    from dflash_local.convert.init_drafter import init_drafter
+
     from .models import default_target
 
     out = init_drafter(
@@ -169,6 +172,51 @@ def cmd_init_drafter(args) -> int:
     )
     print(out)
     return 0
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer numbers separated by commas, e.g. 2,9,16") from None
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    # here rather than in train.py, which needs torch: `train --help` works without it
+    p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
+    p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
+    p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
+                   "size is the target's, since it reads the target's embeddings")
+    p.add_argument("--target-layers", type=_layer_list, help="comma-separated target layer-input indices to read features from "
+                   "(default: z-lab's spread for --layers)")
+    p.add_argument("--block-size", type=int, default=8, help="anchor + drafted tokens per block (default 8)")
+    p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
+                   "(default 16384 for targets with more than 65536 tokens, else the full vocabulary)")
+    p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
+                   "(default: Python standard library code and installed packages' descriptions)")
+    p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")
+    p.add_argument("--max-new", type=int, default=192, help="tokens per continuation (default 192)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="target layers on the GPU for data generation and validation (-1: all)")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out validations (0: none)")
+    p.add_argument("--eval-prompts", type=int, default=4)
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--outtype", default="q8_0", help="type of the exported GGUF (default q8_0)")
+
+
+def cmd_train(args) -> int:
+    from .train import run_train
+
+    return run_train(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
     b.set_defaults(func=cmd_bench)
 
-    from .convert.hf_to_gguf import add_convert_args, run_convert
-    from .convert.inspect_gguf import add_inspect_args, run_inspect
+    # convert, inspect and pull keep their options beside their code; those modules need only the core dependencies
+    from dflash_local.convert.hf_to_gguf import add_convert_args, run_convert
+    from dflash_local.convert.inspect_gguf import add_inspect_args, run_inspect
+
+    from .pull import add_pull_args, run_pull
 
     c = sub.add_parser("convert", help="convert a z-lab DFlash drafter (folder or Hub id) to GGUF for a target GGUF")
     add_convert_args(c)
@@ -220,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="print a GGUF file's metadata, tensors and types")
     add_inspect_args(i)
     i.set_defaults(func=run_inspect)
-
-    from .pull import add_pull_args, run_pull
 
     pl = sub.add_parser("pull", help="download a known target GGUF and its DFlash drafter, convert the drafter")
     add_pull_args(pl)
@@ -236,16 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_init_drafter)
 
-    from .train import add_train_args, run_train
-
     tr = sub.add_parser("train", help="train a DFlash drafter for a target GGUF on its own greedy continuations")
-    add_train_args(tr)
-    tr.set_defaults(func=run_train)
+    _train_args(tr)
+    tr.set_defaults(func=cmd_train)
 
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "draft_backend", None) == "torch" and not args.no_draft:
+            from . import torch_drafter  # noqa: F401  (without torch: the error, before any model loads)
         return args.func(args)
-    except (GGUFError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (GGUFError, MissingExtraError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"dflash-local: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 
 
@@ -21,5 +22,7 @@ DEFAULT_DRAFTER = "gemma-3-270m-dflash-q8_0.gguf"
 
 def default_drafter() -> Path | None:
     """The drafter shipped for the default target (trained by `dflash-local train`, see the README), if installed."""
-    path = Path(__file__).parent / "drafters" / DEFAULT_DRAFTER
-    return path if path.is_file() else None
+    # drafters/ installs as dflash_local/drafters; importlib.resources also finds it in an editable install, where
+    # it stays at the top of the source tree
+    path = importlib.resources.files("dflash_local") / "drafters" / DEFAULT_DRAFTER
+    return Path(str(path)) if path.is_file() else None

@@ -11,9 +11,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert.errors import ConvertError
-from .convert.hf_to_gguf import convert_drafter
-from .convert.hub import resolve_source
+from dflash_local.convert.errors import ConvertError
+from dflash_local.convert.hf_to_gguf import convert_drafter
+from dflash_local.convert.hub import resolve_source
+
 from .gguf_file import GGUFError, read_gguf
 from .validate import PairError, check_pair
 

@@ -17,9 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
+
+from .extras import needs_extra
+
+with needs_extra("torch", "--draft-backend torch"):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
 
 from .gguf_file import read_gguf
 
@@ -174,10 +178,10 @@ def load_gguf_drafter(path) -> DFlashDrafter:
 
 def load_zlab_drafter(path, target_info) -> DFlashDrafter:
     """A z-lab checkpoint folder (safetensors, any dtype), checked against the target GGUF's metadata."""
-    from .convert.gguf_out import noise_embedding_scale
-    from .convert.hf_to_gguf import check_against_target
-    from .convert.safetensors_file import read_tensor
-    from .convert.zlab_checkpoint import open_checkpoint
+    from dflash_local.convert.gguf_out import noise_embedding_scale
+    from dflash_local.convert.hf_to_gguf import check_against_target
+    from dflash_local.convert.safetensors_file import read_tensor
+    from dflash_local.convert.zlab_checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
     c = ck.config

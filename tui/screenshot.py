@@ -1,8 +1,8 @@
-"""The README's picture: drive the real app on a pair and save its screen as PNG (needs cairosvg).
+"""The README's picture: drive the real app on a pair and save its screen as PNG (needs the screenshot extra).
 
 python -m dflash_local.tui.screenshot docs/tui.png -d drafter.gguf [-m target.gguf] [--size 80x24] [-t threads]
 
-(cairosvg from PyPI and the DejaVu Sans Mono font, Debian's fonts-dejavu-core.)
+(cairosvg: pip install "dflash-local[screenshot]"; and the DejaVu Sans Mono font, Debian's fonts-dejavu-core.)
 
 It asks one question with DFlash and the same question plainly (in a new chat, so the prompt is the same), then
 switches drafting back on, so the live panel shows a measured speedup.
@@ -14,7 +14,10 @@ import argparse
 import asyncio
 import html
 import re
+import sys
 from pathlib import Path
+
+from dflash_local.extras import MissingExtraError, needs_extra
 
 PROMPT = "Once upon a time"  # gemma-3-270m is a base model: a story opening suits it better than a question
 
@@ -70,8 +73,9 @@ async def shoot(app, out: Path, size: tuple[int, int], prompt: str, max_tokens: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..engine import Engine
-    from ..models import default_target
+    from dflash_local.engine import Engine
+    from dflash_local.models import default_target
+
     from .app import ChatApp
 
     p = argparse.ArgumentParser(prog="python -m dflash_local.tui.screenshot")
@@ -83,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-t", "--threads", type=int)
     p.add_argument("--size", default="80x24", help="terminal columns x rows")
     args = p.parse_args(argv)
+    if args.output.suffix != ".svg":
+        try:
+            with needs_extra("screenshot", "a PNG screenshot"):
+                import cairosvg  # noqa: F401  (checked before the run, used at its end)
+        except MissingExtraError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     cols, rows = (int(x) for x in args.size.split("x"))
     engine = Engine(args.model or default_target(), args.draft, n_ctx=4096, n_threads=args.threads)
     app = ChatApp(engine)
