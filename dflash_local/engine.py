@@ -97,7 +97,6 @@ class Engine:
             raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
         if draft_backend not in ("ggml", "torch"):
             raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
-        _native.set_verbose(verbose)
         self.target_info = read_gguf(model)
         check_target(self.target_info)
         self.draft_info = None  # the drafter GGUF's header; a z-lab checkpoint folder has none
@@ -116,11 +115,11 @@ class Engine:
         self.n_ctx = min(n_ctx, n_ctx_train)
         self.n_threads = n_threads or os.cpu_count() or 1
         self.draft_path = draft
-        self.target = _native.Model(str(model), n_gpu_layers, repack)
+        self.target = _native.Model(str(model), n_gpu_layers, repack, verbose)
         self.drafter = None  # the llama.cpp drafter
         self.torch_drafter = None
         if draft and draft_backend == "ggml":
-            self.drafter = _native.Model(str(draft), n_gpu_layers, True)  # drafts need no bit-exactness
+            self.drafter = _native.Model(str(draft), n_gpu_layers, True, verbose)  # drafts need no bit-exactness
         elif draft:
             from .torch_drafter import TorchDraftBackend, pick_device
 
@@ -132,7 +131,7 @@ class Engine:
         arch = self.target_info.arch
         use_layer_api = capture == "layer_api" or (capture == "auto" and _native.arch_records_layer_inputs(arch))
         self.session = _native.Session(
-            self.target, self.drafter, layers, self.n_ctx, self.n_threads, use_layer_api, flash_attn
+            self.target, self.drafter, layers, self.n_ctx, self.n_threads, use_layer_api, flash_attn, verbose
         )
 
         # Greedy verification reproduces plain decoding bit for bit only when every kernel rounds a verify batch row
@@ -152,6 +151,12 @@ class Engine:
         self._cached: list[int] = []  # the tokens in the target's KV cache, in order
         self._draft_valid = 0  # how many of them the drafter's cache holds features for
         self._lock = threading.Lock()
+
+    def set_verbose(self, on: bool) -> None:
+        """Show llama.cpp's log during this engine's calls (other engines keep their own setting)."""
+        for native in (self.target, self.drafter, self.session):
+            if native is not None:
+                native.verbose = on
 
     # -- information ----------------------------------------------------------------------------------------------
 
@@ -375,7 +380,8 @@ class Engine:
             )
             yield Finished(stream.text, list(out), summary)
         finally:
-            # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
+            # whatever happened (a stop, an error, the consumer walking away), the cache record stays true: a failed
+            # native call leaves n_past at what the caches still hold
             self._cached = (ids + produced)[: s.n_past]
             if drafting:  # a torch drafter skipped for an external one did not follow: its context ends earlier
                 tdr = self.torch_drafter

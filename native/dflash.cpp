@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -30,41 +31,131 @@ LLAMA_API float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t l
 namespace py = pybind11;
 
 // ---------------------------------------------------------------------------------------------------------------
-// Logging: llama.cpp is chatty; keep quiet unless asked, but remember the last lines for error messages.
+// Errors and logging.
+//
+// A llama.cpp failure becomes a NativeError (a RuntimeError in Python) that carries the warnings and errors
+// llama.cpp logged during the failing call. llama.cpp's log callback is process-wide, but verbosity belongs to one
+// Model or Session: each of their calls into llama.cpp runs inside a LogScope that tells the callback, for the calling
+// thread, whether to print. Lines logged outside every scope (llama-cpp-python's own models, say) go on to the
+// callback ours replaced, so other users of libllama in the process log as if this module were not there.
 
-static std::mutex              g_log_mutex;
-static bool                    g_verbose = false;
-static std::deque<std::string> g_log_tail;
+struct NativeError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+struct LogScope {
+    explicit LogScope(bool verbose);
+    ~LogScope();
+    LogScope(const LogScope &) = delete;
+    LogScope & operator=(const LogScope &) = delete;
+
+    bool verbose;
+    LogScope * outer;                           // the scope this one runs inside, if any
+    ggml_log_level level = GGML_LOG_LEVEL_NONE;  // of the last line, for GGML_LOG_LEVEL_CONT lines
+    std::deque<std::string> tail;               // the last warnings and errors, for the exception message
+};
+
+static thread_local LogScope * t_scope = nullptr;
+
+static std::mutex        g_log_mutex;
+static ggml_log_callback g_prev_log     = nullptr;
+static void *            g_prev_log_ud  = nullptr;
 
 static void log_cb(ggml_log_level level, const char * text, void *) {
-    std::lock_guard<std::mutex> lock(g_log_mutex);
-    if (g_verbose) {
+    LogScope * s = t_scope;
+    if (!s) {
+        ggml_log_callback prev;
+        void * prev_ud;
+        {
+            std::lock_guard<std::mutex> lock(g_log_mutex);
+            prev    = g_prev_log;
+            prev_ud = g_prev_log_ud;
+        }
+        if (prev) {
+            prev(level, text, prev_ud);  // outside the lock: it may be a Python callback waiting for the GIL
+        }
+        return;
+    }
+    if (level != GGML_LOG_LEVEL_CONT) {
+        s->level = level;
+    }
+    if (s->verbose) {
         fputs(text, stderr);
     }
-    if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) {
-        g_log_tail.emplace_back(text);
-        if (g_log_tail.size() > 8) {
-            g_log_tail.pop_front();
+    if (s->level == GGML_LOG_LEVEL_ERROR || s->level == GGML_LOG_LEVEL_WARN) {
+        s->tail.emplace_back(text);
+        if (s->tail.size() > 8) {
+            s->tail.pop_front();
         }
     }
 }
 
-static std::string take_log_tail() {
-    std::lock_guard<std::mutex> lock(g_log_mutex);
-    std::string out;
-    for (auto & line : g_log_tail) {
-        out += line;
+// Installed at the first scope rather than at import, and again if someone replaced it since (importing
+// llama_cpp after this module installs llama-cpp-python's callback, which prints everything by default).
+LogScope::LogScope(bool verbose) : verbose(verbose), outer(t_scope) {
+    {
+        std::lock_guard<std::mutex> lock(g_log_mutex);
+        ggml_log_callback cur;
+        void * cur_ud;
+        llama_log_get(&cur, &cur_ud);
+        if (cur != log_cb) {
+            g_prev_log    = cur;
+            g_prev_log_ud = cur_ud;
+            llama_log_set(log_cb, nullptr);
+        }
     }
-    g_log_tail.clear();
-    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) {
-        out.pop_back();
-    }
-    return out;
+    t_scope = this;
 }
 
+LogScope::~LogScope() { t_scope = outer; }
+
 [[noreturn]] static void fail(const std::string & what) {
-    std::string tail = take_log_tail();
-    throw std::runtime_error(tail.empty() ? what : what + " (llama.cpp: " + tail + ")");
+    std::string tail;
+    if (t_scope) {
+        for (auto & line : t_scope->tail) {
+            tail += line;
+        }
+        t_scope->tail.clear();
+    }
+    while (!tail.empty() && (tail.back() == '\n' || tail.back() == ' ')) {
+        tail.pop_back();
+    }
+    throw NativeError(tail.empty() ? what : what + " (llama.cpp: " + tail + ")");
+}
+
+// llama_decode / llama_process status codes (llama.h)
+static std::string process_status(int32_t rc) {
+    switch (rc) {
+        case 1:  return "no KV cache slot for the batch";
+        case 2:  return "aborted";
+        case -1: return "invalid batch";
+        case -2: return "could not allocate or prepare the batch";
+        case -3: return "the computation failed";
+    }
+    return rc < 0 ? "error" : "warning";
+}
+
+static void process(llama_context * ctx, llama_batch_ext * batch, const std::string & what) {
+    const int32_t rc = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch);
+    if (rc != 0) {
+        fail(what + " failed: " + process_status(rc) + " (code " + std::to_string(rc) + ")");
+    }
+}
+
+static const float * logits_row(llama_context * ctx, int32_t i, const std::string & what) {
+    const float * row = llama_get_logits_ith(ctx, i);
+    if (!row) {
+        fail("no " + what + " logits for output row " + std::to_string(i));
+    }
+    return row;
+}
+
+static llama_batch_ext * new_batch(llama_context * ctx) {
+    llama_batch_ext * b = llama_batch_ext_init(ctx);
+    if (!b) {
+        fail("could not allocate a batch");
+    }
+    return b;
 }
 
 static double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -92,21 +183,29 @@ static bool arch_records_layer_inputs(const std::string & arch) {
 struct Model {
     llama_model * model = nullptr;
     const llama_vocab * vocab = nullptr;
+    std::atomic<bool> verbose;  // print llama.cpp's log during this model's calls
 
-    Model(const std::string & path, int n_gpu_layers, bool repack) {
+    Model(const std::string & path, int n_gpu_layers, bool repack, bool verbose) : verbose(verbose) {
+        LogScope log(verbose);
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = n_gpu_layers;
         // repacked CPU weights switch kernels with the batch size, which changes rounding between a 1-token decode
         // and a verify batch; off keeps greedy verification bit-exact on CPUs
         mp.use_extra_bufts = repack;
-        take_log_tail();
         model = llama_model_load_from_file(path.c_str(), mp);
         if (!model) {
             fail("failed to load model from " + path);
         }
         vocab = llama_model_get_vocab(model);
+        if (!vocab) {
+            llama_model_free(model);
+            fail("model " + path + " has no vocabulary");
+        }
     }
-    ~Model() { llama_model_free(model); }
+    ~Model() {
+        LogScope log(verbose);
+        llama_model_free(model);
+    }
     Model(const Model &) = delete;
     Model & operator=(const Model &) = delete;
 
@@ -125,11 +224,23 @@ struct Model {
     std::string arch() const { return meta("general.architecture"); }
     int n_vocab() const { return llama_vocab_n_tokens(vocab); }
 
+    // llama.cpp aborts the process when a model without a tokenizer is asked to tokenize or detokenize
+    void need_tokenizer() const {
+        if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE || n_vocab() <= 0) {
+            throw std::invalid_argument("the '" + arch() + "' model has no tokenizer");
+        }
+    }
+
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const {
+        need_tokenizer();
+        if (text.size() > (size_t) INT32_MAX / 2) {
+            throw std::length_error("text too long to tokenize");
+        }
+        LogScope log(verbose);
         std::vector<llama_token> out(text.size() + 8);
         int32_t n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
                                    add_special, parse_special);
-        if (n < 0) {
+        if (n < 0 && n != INT32_MIN) {
             out.resize(-n);
             n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
                                add_special, parse_special);
@@ -143,9 +254,11 @@ struct Model {
 
     // Raw bytes of one token; a UTF-8 character may be split across tokens, so Python joins bytes, not strings.
     py::bytes piece(llama_token tok) const {
+        need_tokenizer();
         if (tok < 0 || tok >= n_vocab()) {
-            throw std::out_of_range("token id out of range");
+            throw std::out_of_range("token id " + std::to_string(tok) + " outside the vocabulary");
         }
+        LogScope log(verbose);
         char buf[256];
         int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof(buf), 0, false);
         if (n < 0) {
@@ -234,6 +347,9 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
         }
         n = m;
     }
+    if (n == 0) {
+        fail("no token left to sample (NaN logits?)");  // otherwise the most likely candidate passes every filter
+    }
     std::sort(cand.begin(), cand.begin() + n, desc);  // a fixed order makes the draw reproducible
     double zt = 0.0;
     for (size_t i = 0; i < n; ++i) {
@@ -263,71 +379,34 @@ struct StepResult {
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
 };
 
+// Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
+// NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
+// [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
+// before use). Should llama.cpp refuse even that rollback, both caches are emptied and n_past is 0. Either way the
+// session stays usable and n_past says what the caches hold.
 class Session {
 public:
     Session(Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads, bool use_layer_api,
-            bool flash_attn)
-        : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api) {
-        if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
-            throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
-                                        "cannot roll back drafted tokens; such targets are not supported yet");
-        }
-        n_embd = llama_model_n_embd(tgt.model);
-        const int n_layer = llama_model_n_layer(tgt.model);
-        for (int lid : this->layers) {
-            if (lid < 1 || lid >= n_layer) {
-                throw std::invalid_argument("feature layer " + std::to_string(lid) + " is outside the target's 1.." +
-                                            std::to_string(n_layer - 1));
-            }
-        }
-        if (layer_api && !arch_records_layer_inputs(tgt.arch())) {
-            throw std::invalid_argument("architecture '" + tgt.arch() + "' does not record layer inputs");
-        }
-        if (dft && this->layers.empty()) {
-            throw std::invalid_argument("a drafter needs target feature layers");
-        }
-
-        llama_context_params cp = context_params(n_ctx, n_threads, flash_attn);
-        if (!this->layers.empty() && !layer_api) {
-            cp.cb_eval           = eval_cb;
-            cp.cb_eval_user_data = this;
-        }
-        take_log_tail();
-        ctx_tgt = llama_init_from_model(tgt.model, cp);
-        if (!ctx_tgt) {
-            fail("failed to create the target context");
-        }
-        this->n_ctx = (int) llama_n_ctx(ctx_tgt);
-        batch_tgt = llama_batch_ext_init(ctx_tgt);
-        if (layer_api) {
-            for (int lid : this->layers) {
-                llama_set_embeddings_layer_inp(ctx_tgt, (uint32_t) lid, true);
-            }
-        }
-
-        if (dft) {
-            const std::string bs = dft->meta("dflash.block_size");
-            block_size = bs.empty() ? 16 : std::max(2, std::atoi(bs.c_str()));
-            // the noise block reaches past the target's last position
-            llama_context_params dp = context_params(this->n_ctx + block_size, n_threads, false);
-            dp.ctx_other = ctx_tgt;
-            // the drafter's cache is small; f32 keeps its drafts equal to a float32 reference implementation
-            dp.type_k = GGML_TYPE_F32;
-            dp.type_v = GGML_TYPE_F32;
-            ctx_dft = llama_init_from_model(dft->model, dp);
-            if (!ctx_dft) {
-                free_all();
-                fail("failed to create the drafter context");
-            }
-            batch_dft = llama_batch_ext_init(ctx_dft);
-            llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
-            mask_token = llama_vocab_mask(dft->vocab);
+            bool flash_attn, bool verbose)
+        : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api), verbose(verbose) {
+        LogScope log(verbose);
+        check_arguments(n_ctx, n_threads);
+        try {
+            create_contexts(n_ctx, n_threads, flash_attn);
+        } catch (...) {
+            free_all();  // the destructor does not run for a constructor that throws
+            throw;
         }
     }
 
-    ~Session() { free_all(); }
+    ~Session() {
+        LogScope log(verbose);
+        free_all();
+    }
     Session(const Session &) = delete;
     Session & operator=(const Session &) = delete;
+
+    std::atomic<bool> verbose;  // print llama.cpp's log during this session's calls
 
     int n_past() const { return past; }
     int context_size() const { return n_ctx; }
@@ -340,15 +419,14 @@ public:
     // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
     void truncate(int n) {
         if (n < 0 || n > past) {
-            throw std::out_of_range("truncate position outside the cached tokens");
+            throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " + std::to_string(past) +
+                                    " cached tokens");
         }
-        if (!llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1)) {
-            fail("target KV cache could not drop tokens");
+        LogScope log(verbose);
+        if (!keep(n)) {
+            fail("the KV cache could not drop the positions from " + std::to_string(n) +
+                 " on; both caches were emptied");
         }
-        if (ctx_dft) {
-            llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1);
-        }
-        past = n;
     }
 
     // Decode tokens after the cached ones, feed their features to the drafter and sample the next token
@@ -361,31 +439,283 @@ public:
             throw std::length_error("prompt does not fit in the context");
         }
         check_tokens(tokens);
-        for (size_t off = 0; off < tokens.size(); off += n_batch) {
-            const size_t n = std::min<size_t>(n_batch, tokens.size() - off);
-            const bool last_chunk = off + n == tokens.size();
-            decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
-            if (ctx_dft && capture) {
-                inject(past, (int) n);
+        return transaction([&] {
+            for (size_t off = 0; off < tokens.size(); off += n_batch) {
+                const size_t n = std::min<size_t>(n_batch, tokens.size() - off);
+                const bool last_chunk = off + n == tokens.size();
+                decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
+                if (ctx_dft && capture) {
+                    inject(past, (int) n);
+                }
+                past += (int) n;
             }
-            past += (int) n;
-        }
-        return sample_row(llama_get_logits_ith(ctx_tgt, -1), tgt.n_vocab(), s, index, cand);
+            return sample_row(logits_row(ctx_tgt, -1, "target"), tgt.n_vocab(), s, index, cand);
+        });
     }
 
     // One speculative step. `last` is the newest token, not yet in the caches. `forced_draft`, when given,
     // replaces the drafter's proposal (a scripted drafter for tests, or a drafter running outside llama.cpp).
     StepResult step(llama_token last, int n_draft, const Sampling & s, uint64_t index,
                     const std::vector<llama_token> * forced_draft, bool with_probs) {
-        const auto t_step = std::chrono::steady_clock::now();
-        StepResult r;
         check_tokens({last});
+        if (forced_draft) {
+            check_tokens(*forced_draft);
+        }
         if (past + 1 > n_ctx) {
             throw std::length_error("context is full");
         }
+        return transaction([&] { return step_unchecked(last, n_draft, s, index, forced_draft, with_probs); });
+    }
+
+    // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
+    py::array_t<float> logits(int row) const {
+        if (row < -n_out || row >= n_out) {
+            throw std::out_of_range("row " + std::to_string(row) + " outside the " + std::to_string(n_out) +
+                                    " output rows of the last target decode");
+        }
+        LogScope log(verbose);
+        const int n_vocab = tgt.n_vocab();
+        const float * src = logits_row(ctx_tgt, row, "target");
+        py::array_t<float> out(n_vocab);
+        std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
+        return out;
+    }
+
+    // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
+    void keep_draft_logits(bool on) { keep_draft = on; }
+
+    // Logits of the drafter's last noise block at its draft positions: [n, n_vocab].
+    py::array_t<float> draft_logits() const {
+        const size_t n_vocab = tgt.n_vocab();
+        const size_t n = draft_rows.size() / n_vocab;
+        py::array_t<float> out({n, n_vocab});
+        std::memcpy(out.mutable_data(), draft_rows.data(), draft_rows.size() * sizeof(float));
+        return out;
+    }
+
+    // Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
+    // Empty after a failed call.
+    py::array_t<float> features() const {
+        const size_t width = layers.size() * (size_t) n_embd;
+        py::array_t<float> out({(size_t) feat_rows, width});
+        std::memcpy(out.mutable_data(), feats.data(), (size_t) feat_rows * width * sizeof(float));
+        return out;
+    }
+
+private:
+    enum Logits { LogitsNone, LogitsLast, LogitsAll };
+
+    static constexpr int max_batch = 512;
+
+    Model & tgt;
+    Model * dft;
+    std::vector<int> layers;
+    bool layer_api;
+    bool capture = true;
+    llama_context * ctx_tgt = nullptr;
+    llama_context * ctx_dft = nullptr;
+    llama_batch_ext * batch_tgt = nullptr;
+    llama_batch_ext * batch_dft = nullptr;
+    llama_token mask_token = -1;
+    int block_size = 16;
+    bool keep_draft = false;
+    std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
+    int n_ctx = 0;
+    int n_batch = 0;  // the most tokens one target decode takes
+    int n_embd = 0;
+    int past = 0;
+    int n_out = 0;  // output (logits) rows of the last target decode
+
+    std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
+    int feat_rows = 0;
+    std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
+    std::vector<float> cb_rows;   // eval-callback path: one layer's rows on their way from the backend
+    std::vector<std::pair<float, llama_token>> cand;
+
+    // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
+    void check_arguments(int n_ctx, int n_threads) {
+        if (n_ctx < 2) {
+            throw std::invalid_argument("n_ctx must be at least 2, got " + std::to_string(n_ctx));
+        }
+        if (n_threads < 1) {
+            throw std::invalid_argument("n_threads must be at least 1, got " + std::to_string(n_threads));
+        }
+        if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
+            throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
+                                        "cannot roll back drafted tokens; such targets are not supported yet");
+        }
+        n_embd = llama_model_n_embd(tgt.model);
+        const int n_layer = llama_model_n_layer(tgt.model);
+        for (size_t k = 0; k < layers.size(); ++k) {
+            const int lid = layers[k];
+            if (lid < 1 || lid >= n_layer) {
+                throw std::invalid_argument("feature layer " + std::to_string(lid) + " is outside the target's 1.." +
+                                            std::to_string(n_layer - 1));
+            }
+            if (std::find(layers.begin(), layers.begin() + k, lid) != layers.begin() + k) {
+                throw std::invalid_argument("feature layer " + std::to_string(lid) + " is listed twice");
+            }
+        }
+        if (layer_api && !arch_records_layer_inputs(tgt.arch())) {
+            throw std::invalid_argument("architecture '" + tgt.arch() + "' does not record layer inputs");
+        }
+        if (!dft) {
+            return;
+        }
+        if (layers.empty()) {
+            throw std::invalid_argument("a drafter needs target feature layers");
+        }
+        if (dft->arch() != "dflash") {
+            throw std::invalid_argument("the drafter's architecture is '" + dft->arch() + "', not 'dflash'");
+        }
+        // the drafter's logits rows are read with the target's vocabulary size
+        if (dft->n_vocab() != tgt.n_vocab()) {
+            throw std::invalid_argument("the drafter's vocabulary has " + std::to_string(dft->n_vocab()) +
+                                        " tokens, the target's " + std::to_string(tgt.n_vocab()));
+        }
+        mask_token = llama_vocab_mask(dft->vocab);
+        if (mask_token < 0 || mask_token >= tgt.n_vocab()) {
+            throw std::invalid_argument("the drafter has no valid mask token (tokenizer.ggml.mask_token_id)");
+        }
+        const std::string bs = dft->meta("dflash.block_size");
+        block_size = bs.empty() ? 16 : std::atoi(bs.c_str());
+        // a noise block is one batch, and a non-causal one must fit in one ubatch
+        if (block_size < 2 || block_size > max_batch) {
+            throw std::invalid_argument("the drafter's block size '" + bs + "' is outside 2.." +
+                                        std::to_string(max_batch));
+        }
+    }
+
+    void create_contexts(int n_ctx_want, int n_threads, bool flash_attn) {
+        llama_context_params cp = context_params(n_ctx_want, n_threads, flash_attn);
+        if (!layers.empty() && !layer_api) {
+            cp.cb_eval           = eval_cb;
+            cp.cb_eval_user_data = this;
+        }
+        ctx_tgt = llama_init_from_model(tgt.model, cp);
+        if (!ctx_tgt) {
+            fail("failed to create the target context");
+        }
+        n_ctx = (int) llama_n_ctx(ctx_tgt);
+        n_batch = (int) llama_n_batch(ctx_tgt);  // less than max_batch when n_ctx was (llama.cpp rounds n_ctx up)
+        batch_tgt = new_batch(ctx_tgt);
+        if (layer_api) {
+            for (int lid : layers) {
+                llama_set_embeddings_layer_inp(ctx_tgt, (uint32_t) lid, true);
+            }
+        }
+        if (!dft) {
+            return;
+        }
+        // the noise block reaches past the target's last position
+        llama_context_params dp = context_params(n_ctx + block_size, n_threads, false);
+        dp.ctx_other = ctx_tgt;
+        // the drafter's cache is small; f32 keeps its drafts equal to a float32 reference implementation
+        dp.type_k = GGML_TYPE_F32;
+        dp.type_v = GGML_TYPE_F32;
+        ctx_dft = llama_init_from_model(dft->model, dp);
+        if (!ctx_dft) {
+            fail("failed to create the drafter context");
+        }
+        // the drafter takes a whole target chunk's features, or a whole noise block, in one batch
+        if ((int) llama_n_batch(ctx_dft) < std::max(n_batch, block_size)) {
+            fail("the drafter context's batch is too small");
+        }
+        batch_dft = new_batch(ctx_dft);
+        llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
+    }
+
+    static llama_context_params context_params(int n_ctx, int n_threads, bool flash_attn) {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx           = n_ctx;
+        cp.n_batch         = max_batch;
+        cp.n_ubatch        = max_batch;
+        cp.n_threads       = n_threads;
+        cp.n_threads_batch = n_threads;
+        cp.no_perf         = true;
+        // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
+        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        // Rollback relies on it (gemma3 and SWA drafters): a sliding-window cache of only the window (swa_full off)
+        // evicts the positions that fell out of the window of a verify batch's last token, and after rejected
+        // tokens are dropped the next token's window needs some of them again. (llama.cpp's default, pinned.)
+        cp.swa_full        = true;
+        return cp;
+    }
+
+    void free_all() {
+        if (batch_dft) llama_batch_ext_free(batch_dft);
+        if (ctx_dft) llama_free(ctx_dft);
+        if (batch_tgt) llama_batch_ext_free(batch_tgt);
+        if (ctx_tgt) llama_free(ctx_tgt);
+        batch_dft = batch_tgt = nullptr;
+        ctx_dft = ctx_tgt = nullptr;
+    }
+
+    // Run a call that changes the caches; if it throws, put the caches back as they were at its start.
+    template <class F> auto transaction(F && f) -> decltype(f()) {
+        LogScope log(verbose);
+        const int p0 = past;
+        try {
+            return f();
+        } catch (...) {
+            // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact
+            feat_rows = 0;
+            n_out = 0;
+            draft_rows.clear();
+            keep(p0);
+            throw;
+        }
+    }
+
+    // Make both caches hold the positions [0, n) only. If llama.cpp refuses to drop part of a sequence, empty both
+    // and return false.
+    bool keep(int n) {
+        bool ok = llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+        if (ctx_dft) {
+            ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
+        }
+        past = n;
+        if (!ok) {
+            llama_memory_clear(llama_get_memory(ctx_tgt), false);
+            if (ctx_dft) {
+                llama_memory_clear(llama_get_memory(ctx_dft), false);
+            }
+            past = 0;
+        }
+        return ok;
+    }
+
+    static void drop_from(llama_context * ctx, llama_pos p0, const char * which) {
+        if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, p0, -1)) {
+            fail(std::string("the ") + which + " KV cache could not drop the positions from " + std::to_string(p0) +
+                 " on");
+        }
+    }
+
+    void check_tokens(const std::vector<llama_token> & toks) const {
+        const int n_vocab = tgt.n_vocab();
+        for (llama_token t : toks) {
+            if (t < 0 || t >= n_vocab) {
+                throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary (0.." +
+                                        std::to_string(n_vocab - 1) + ")");
+            }
+        }
+    }
+
+    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits) {
+        const int32_t idx = llama_batch_ext_add_token(b, 0, t);
+        if (idx < 0 || !llama_batch_ext_set_pos(b, idx, &pos) || !llama_batch_ext_set_output_logits(b, idx, logits)) {
+            fail("could not add token " + std::to_string(t) + " at position " + std::to_string(pos) +
+                 " to a batch (code " + std::to_string(idx) + ")");
+        }
+    }
+
+    StepResult step_unchecked(llama_token last, int n_draft, const Sampling & s, uint64_t index,
+                              const std::vector<llama_token> * forced_draft, bool with_probs) {
+        const auto t_step = std::chrono::steady_clock::now();
+        StepResult r;
         if (forced_draft) {
             r.draft = *forced_draft;
-            check_tokens(r.draft);
         } else if (ctx_dft && capture && n_draft > 0) {
             n_draft = std::min(n_draft, block_size - 1);
             const auto t0 = std::chrono::steady_clock::now();
@@ -412,7 +742,7 @@ public:
         const int n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
-            const llama_token t = sample_row(llama_get_logits_ith(ctx_tgt, a), n_vocab, s, index + a, cand);
+            const llama_token t = sample_row(logits_row(ctx_tgt, a, "target"), n_vocab, s, index + a, cand);
             r.tokens.push_back(t);
             if (a == (int) r.draft.size() || t != r.draft[a]) {
                 break;
@@ -421,116 +751,17 @@ public:
         r.n_accepted = a;
 
         const int p0 = past;
-        past += a + 1;  // `last` and the accepted drafts are now in the target cache
-        if (a + 1 < (int) block.size() && !llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, past, -1)) {
-            fail("target KV cache could not drop rejected tokens");
+        if (a + 1 < (int) block.size()) {
+            drop_from(ctx_tgt, p0 + a + 1, "target");
         }
         if (ctx_dft && capture) {
             const auto t2 = std::chrono::steady_clock::now();
             inject(p0, a + 1);
             r.draft_ms += ms_since(t2);
         }
+        past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
         r.step_ms = ms_since(t_step);
         return r;
-    }
-
-    // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
-    py::array_t<float> logits(int row) const {
-        const int n_vocab = tgt.n_vocab();
-        const float * src = llama_get_logits_ith(ctx_tgt, row);
-        if (!src) {
-            fail("no logits for row " + std::to_string(row));
-        }
-        py::array_t<float> out(n_vocab);
-        std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
-        return out;
-    }
-
-    // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
-    void keep_draft_logits(bool on) { keep_draft = on; }
-
-    // Logits of the drafter's last noise block at its draft positions: [n, n_vocab].
-    py::array_t<float> draft_logits() const {
-        const size_t n_vocab = tgt.n_vocab();
-        const size_t n = draft_rows.size() / n_vocab;
-        py::array_t<float> out({n, n_vocab});
-        std::memcpy(out.mutable_data(), draft_rows.data(), draft_rows.size() * sizeof(float));
-        return out;
-    }
-
-    // Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
-    py::array_t<float> features() const {
-        const size_t width = layers.size() * (size_t) n_embd;
-        py::array_t<float> out({(size_t) feat_rows, width});
-        std::memcpy(out.mutable_data(), feats.data(), (size_t) feat_rows * width * sizeof(float));
-        return out;
-    }
-
-private:
-    enum Logits { LogitsNone, LogitsLast, LogitsAll };
-
-    static constexpr int n_batch = 512;
-
-    Model & tgt;
-    Model * dft;
-    std::vector<int> layers;
-    bool layer_api;
-    bool capture = true;
-    llama_context * ctx_tgt = nullptr;
-    llama_context * ctx_dft = nullptr;
-    llama_batch_ext * batch_tgt = nullptr;
-    llama_batch_ext * batch_dft = nullptr;
-    llama_token mask_token = -1;
-    int block_size = 16;
-    bool keep_draft = false;
-    std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
-    int n_ctx = 0;
-    int n_embd = 0;
-    int past = 0;
-
-    std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
-    int feat_rows = 0;
-    std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
-    std::vector<std::pair<float, llama_token>> cand;
-
-    static llama_context_params context_params(int n_ctx, int n_threads, bool flash_attn) {
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx           = n_ctx;
-        cp.n_batch         = n_batch;
-        cp.n_ubatch        = n_batch;
-        cp.n_threads       = n_threads;
-        cp.n_threads_batch = n_threads;
-        cp.no_perf         = true;
-        // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
-        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        return cp;
-    }
-
-    void free_all() {
-        if (batch_dft) llama_batch_ext_free(batch_dft);
-        if (ctx_dft) llama_free(ctx_dft);
-        if (batch_tgt) llama_batch_ext_free(batch_tgt);
-        if (ctx_tgt) llama_free(ctx_tgt);
-        batch_dft = batch_tgt = nullptr;
-        ctx_dft = ctx_tgt = nullptr;
-    }
-
-    void check_tokens(const std::vector<llama_token> & toks) const {
-        const int n_vocab = tgt.n_vocab();
-        for (llama_token t : toks) {
-            if (t < 0 || t >= n_vocab) {
-                throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary");
-            }
-        }
-    }
-
-    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits) {
-        const int32_t idx = llama_batch_ext_add_token(b, 0, t);
-        if (idx < 0) {
-            fail("could not add a token to the batch");
-        }
-        llama_batch_ext_set_pos(b, idx, &pos);
-        llama_batch_ext_set_output_logits(b, idx, logits);
     }
 
     void decode_target(const llama_token * toks, int n, int pos0, Logits logits) {
@@ -542,16 +773,21 @@ private:
         feats.resize((size_t) n * width);
         feat_rows = n;
         rows_seen.assign(layers.size(), 0);
-        const int32_t rc = llama_process(ctx_tgt, LLAMA_PROCESS_TYPE_DECODE, batch_tgt);
-        if (rc != 0) {
-            fail("target decode failed (code " + std::to_string(rc) + ")");
+        if (!layer_api) {
+            cb_rows.resize((size_t) n * n_embd);
         }
+        n_out = 0;
+        process(ctx_tgt, batch_tgt, "target decode");
+        n_out = logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0;
         llama_synchronize(ctx_tgt);
         if (!capture || layers.empty()) {
             feat_rows = 0;
         } else if (layer_api) {
             for (size_t k = 0; k < layers.size(); ++k) {
                 const float * src = llama_get_embeddings_layer_inp(ctx_tgt, (uint32_t) layers[k]);
+                if (!src) {
+                    fail("no features for layer " + std::to_string(layers[k]));
+                }
                 for (int i = 0; i < n; ++i) {
                     std::memcpy(&feats[i * width + k * n_embd], src + (size_t) i * n_embd, n_embd * sizeof(float));
                 }
@@ -566,7 +802,8 @@ private:
         }
     }
 
-    // Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1.
+    // Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1. It runs inside llama.cpp
+    // and must not throw: a tensor it cannot use is skipped, and decode_target reports the missing rows.
     static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
         auto * self = (Session *) user;
         const char * name = ggml_get_name(t);
@@ -585,11 +822,11 @@ private:
         const int n_embd = self->n_embd;
         const int rows = (int) t->ne[1];
         if (t->type != GGML_TYPE_F32 || t->ne[0] != n_embd || self->rows_seen[k] + rows > self->feat_rows) {
-            return true;  // not the tensor we expect: decode_target reports the missing rows
+            return true;
         }
         const size_t width = self->layers.size() * (size_t) n_embd;
-        std::vector<float> tmp((size_t) rows * n_embd);
-        ggml_backend_tensor_get(t, tmp.data(), 0, tmp.size() * sizeof(float));
+        float * tmp = self->cb_rows.data();  // sized by decode_target: nothing here may allocate or throw
+        ggml_backend_tensor_get(t, tmp, 0, (size_t) rows * n_embd * sizeof(float));
         for (int i = 0; i < rows; ++i) {
             std::memcpy(&self->feats[(self->rows_seen[k] + i) * width + k * n_embd], &tmp[(size_t) i * n_embd],
                         n_embd * sizeof(float));
@@ -601,41 +838,37 @@ private:
     // Write the features of rows [0, n) of the last target decode into the drafter's cache at positions pos0...
     void inject(int pos0, int n) {
         // the previous noise block left its own K/V from pos0 on
-        llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, pos0, -1);
+        drop_from(ctx_dft, pos0, "drafter");
         const size_t width = layers.size() * (size_t) n_embd;
         llama_batch_ext_clear(batch_dft);
         for (int i = 0; i < n; ++i) {
             const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&feats[i * width], 1, width});
             if (idx < 0) {
-                fail("drafter rejected the target features (width " + std::to_string(width) + ")");
+                fail("the drafter rejected the target features (width " + std::to_string(width) + ", code " +
+                     std::to_string(idx) + ")");
             }
             const llama_pos pos[4] = {pos0 + i, pos0 + i, pos0 + i, 0};
-            llama_batch_ext_set_pos(batch_dft, idx, pos);
-            llama_batch_ext_set_output_logits(batch_dft, idx, false);
+            if (!llama_batch_ext_set_pos(batch_dft, idx, pos) || !llama_batch_ext_set_output_logits(batch_dft, idx, false)) {
+                fail("could not place the target features at position " + std::to_string(pos0 + i));
+            }
         }
-        const int32_t rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch_dft);
-        if (rc != 0) {
-            fail("drafter feature injection failed (code " + std::to_string(rc) + ")");
-        }
+        process(ctx_dft, batch_dft, "drafter feature injection");
     }
 
     // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
     void draft_block(llama_token last, int n_draft, bool with_probs, StepResult & r) {
-        llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, past, -1);
+        drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
         // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
         // llama.cpp keeps the first n_outputs of them, so marking fewer would shift the rows
         for (int i = 0; i <= n_draft; ++i) {
             add_token(batch_dft, i == 0 ? last : mask_token, past + i, true);
         }
-        const int32_t rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch_dft);
-        if (rc != 0) {
-            fail("drafter decode failed (code " + std::to_string(rc) + ")");
-        }
+        process(ctx_dft, batch_dft, "drafter decode");
         const int n_vocab = tgt.n_vocab();
         draft_rows.clear();
         for (int i = 0; i < n_draft; ++i) {
-            const float * row = llama_get_logits_ith(ctx_dft, i + 1);
+            const float * row = logits_row(ctx_dft, i + 1, "drafter");
             if (keep_draft) {
                 draft_rows.insert(draft_rows.end(), row, row + n_vocab);
             }
@@ -658,16 +891,14 @@ private:
 PYBIND11_MODULE(_native, m) {
     m.doc() = "DFlash speculative decoding steps over llama.cpp";
 
+    // Backend set-up only: the log callback is installed by the first Model or Session (LogScope).
     // ggml's tiled CPU matmul takes over from 8 rows up and rounds differently from the one-row kernel, so a
-    // verify batch would not reproduce plain decoding bit for bit. It is read once, at the first matmul.
+    // verify batch would not reproduce plain decoding bit for bit. It is read once, at the first matmul; a value
+    // already set by the user is kept.
     setenv("GGML_CPU_TILED_MM", "0", 0);
-    llama_log_set(log_cb, nullptr);
     llama_backend_init();
 
-    m.def("set_verbose", [](bool v) {
-        std::lock_guard<std::mutex> lock(g_log_mutex);
-        g_verbose = v;
-    });
+    py::register_exception<NativeError>(m, "NativeError", PyExc_RuntimeError);
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("cpu_matmul_batch_invariant", []() {
         const char * tiled = getenv("GGML_CPU_TILED_MM");
@@ -679,6 +910,19 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Sampling>(m, "Sampling")
         .def(py::init([](float temperature, int top_k, float top_p, float min_p, uint64_t seed) {
+                 // sample_row needs at least one candidate left after the filters
+                 if (!(temperature >= 0.0f) || !std::isfinite(temperature)) {
+                     throw std::invalid_argument("temperature must be a finite number >= 0");
+                 }
+                 if (top_k < 0) {
+                     throw std::invalid_argument("top_k must be >= 0");
+                 }
+                 if (!(top_p > 0.0f && top_p <= 1.0f)) {
+                     throw std::invalid_argument("top_p must be in (0, 1]");
+                 }
+                 if (!(min_p >= 0.0f && min_p <= 1.0f)) {
+                     throw std::invalid_argument("min_p must be in [0, 1]");
+                 }
                  return Sampling{temperature, top_k, top_p, min_p, seed};
              }),
              py::arg("temperature") = 0.0f, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("min_p") = 0.0f,
@@ -691,14 +935,19 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("sample", [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const Sampling & s,
                        uint64_t index) {
+        if (logits.size() == 0 || logits.size() > INT32_MAX) {
+            throw std::invalid_argument("logits must hold between 1 and 2^31 - 1 values");
+        }
         std::vector<std::pair<float, llama_token>> cand;
         return sample_row(logits.data(), (int) logits.size(), s, index, cand);
     }, "Sample one token from a logits row exactly as the native step does.");
 
     py::class_<Model>(m, "Model")
-        .def(py::init<const std::string &, int, bool>(), py::arg("path"), py::arg("n_gpu_layers") = 0,
-             py::arg("repack") = false,
+        .def(py::init<const std::string &, int, bool, bool>(), py::arg("path"), py::arg("n_gpu_layers") = 0,
+             py::arg("repack") = false, py::arg("verbose") = false,
              py::call_guard<py::gil_scoped_release>())
+        .def_property("verbose", [](const Model & mm) { return mm.verbose.load(); },
+                      [](Model & mm, bool v) { mm.verbose = v; })
         .def("meta", &Model::meta)
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = false)
@@ -730,12 +979,15 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Session>(m, "Session")
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
-                         bool use_layer_api, bool flash_attn) {
-                 return new Session(target, drafter, std::move(layers), n_ctx, n_threads, use_layer_api, flash_attn);
+                         bool use_layer_api, bool flash_attn, bool verbose) {
+                 return new Session(target, drafter, std::move(layers), n_ctx, n_threads, use_layer_api, flash_attn,
+                                    verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
-             py::arg("use_layer_api"), py::arg("flash_attn") = false, py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
-             py::call_guard<py::gil_scoped_release>())
+             py::arg("use_layer_api"), py::arg("flash_attn") = false, py::arg("verbose") = false,
+             py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
+        .def_property("verbose", [](const Session & ss) { return ss.verbose.load(); },
+                      [](Session & ss, bool v) { ss.verbose = v; })
         .def_property_readonly("n_past", &Session::n_past)
         .def_property_readonly("n_ctx", &Session::context_size)
         .def_property_readonly("has_drafter", &Session::has_drafter)

@@ -1,0 +1,211 @@
+"""Failures inside the native session are Python exceptions that leave it usable; llama.cpp's log is per engine."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dflash_local import Engine, _native
+
+GREEDY = _native.Sampling()
+
+
+def _session(model, drafter=None, layers=(), n_ctx=128, capture=True):
+    s = _native.Session(model, drafter, list(layers), n_ctx, 2, True, False)
+    s.set_capture(capture)
+    return s
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_drafter):
+    return _native.Model(str(tiny_target)), _native.Model(str(tiny_drafter), 0, True)
+
+
+@pytest.fixture(scope="module")
+def prompt(models):
+    return models[0].tokenize("The quick brown fox jumps over", True, False)
+
+
+def test_out_of_range_token_ids_raise_before_llama_cpp(models, prompt):
+    tgt, dft = models
+    n_vocab = tgt.n_vocab
+    s = _session(tgt, dft, [1, 3])
+    for bad in (-1, n_vocab, 2**31 - 1):
+        with pytest.raises(IndexError, match=f"token id {bad} outside the vocabulary"):
+            s.prefill(prompt[:3] + [bad], GREEDY, 0)
+        assert s.n_past == 0
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            tgt.piece(bad)
+    last = s.prefill(prompt, GREEDY, 0)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        s.step(n_vocab, 3, GREEDY, 1)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        s.step(last, 3, GREEDY, 1, [1, -5, 2])
+    assert s.n_past == len(prompt)
+    # nothing was decoded: the session goes on exactly as a fresh one
+    ref = _session(tgt, dft, [1, 3])
+    assert ref.prefill(prompt, GREEDY, 0) == last
+    assert s.step(last, 7, GREEDY, 1).tokens == ref.step(last, 7, GREEDY, 1).tokens
+
+
+def test_engine_survives_a_drafter_proposing_bad_ids(tiny_engine):
+    prompt = "def total(values):\n"
+    base = tiny_engine.complete(prompt, max_tokens=24, draft=False)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        tiny_engine.complete(prompt, max_tokens=24, external_drafter=lambda toks, n: [10**9] * n)
+    # its record of the cached prefix stayed true: a run that reuses it gives the baseline's tokens
+    again = tiny_engine.complete(prompt, max_tokens=24)
+    assert again.summary.n_cached > 0
+    assert again.token_ids == base.token_ids
+
+
+def test_llama_cpp_failure_mid_prefill_rolls_the_target_back(models, prompt):
+    """A drafter given three feature layers where it was trained on two rejects the features after the target
+    decoded the chunk: a real llama.cpp error, raised with its log, and the target's cache is rolled back."""
+    tgt, dft = models
+    s = _session(tgt, dft, [1, 2, 3])
+    with pytest.raises(_native.NativeError, match=r"rejected the target features.*embedding size mismatch"):
+        s.prefill(prompt, GREEDY, 0)
+    assert isinstance(_native.NativeError("x"), RuntimeError)
+    assert s.n_past == 0
+    assert s.features().shape[0] == 0
+    with pytest.raises(IndexError, match="0 output rows"):
+        s.logits(0)
+    # a target cache still holding the failed prefill would hold every position twice and change the logits
+    s.set_capture(False)
+    ref = _session(tgt)
+    assert s.prefill(prompt, GREEDY, 0) == ref.prefill(prompt, GREEDY, 0)
+    np.testing.assert_array_equal(s.logits(-1), ref.logits(-1))
+
+
+def test_llama_cpp_failure_mid_step_rolls_both_caches_back(models, prompt):
+    tgt, dft = models
+    s, ref = _session(tgt, dft, [1, 2, 3], capture=False), _session(tgt)
+    last = s.prefill(prompt, GREEDY, 0)
+    assert ref.prefill(prompt, GREEDY, 0) == last
+    plain = _session(tgt)
+    plain.prefill(prompt, GREEDY, 0)
+    draft = [plain.step(last, 0, GREEDY, 1).tokens[0], 0, 0]  # its first token is right
+    # the verify batch succeeds and accepts a draft token, then the feature injection fails
+    s.set_capture(True)
+    with pytest.raises(_native.NativeError, match="rejected the target features"):
+        s.step(last, 0, GREEDY, 1, draft)
+    assert s.n_past == len(prompt)
+    s.set_capture(False)
+    r, rr = s.step(last, 0, GREEDY, 1, draft), ref.step(last, 0, GREEDY, 1, draft)
+    assert r.n_accepted >= 1
+    assert r.tokens == rr.tokens and s.n_past == ref.n_past
+    np.testing.assert_array_equal(s.logits(0), ref.logits(0))
+
+
+def test_verify_blocks_are_clipped_to_the_context(models, prompt):
+    tgt, _ = models
+    s = _session(tgt, n_ctx=64)
+    n_ctx = s.n_ctx  # llama.cpp rounds it up
+    ids = (prompt * n_ctx)[: n_ctx - 3]
+    with pytest.raises(ValueError, match="does not fit"):
+        s.prefill(ids + prompt[:3], GREEDY, 0)
+    assert s.n_past == 0
+    last = s.prefill(ids, GREEDY, 0)
+    r = s.step(last, 0, GREEDY, 1, [1] * 10)  # room for 2 drafts only
+    assert len(r.draft) == 2
+    while s.n_past < n_ctx:
+        r = s.step(r.tokens[-1], 0, GREEDY, 9, [1] * 10)
+    assert s.n_past == n_ctx
+    with pytest.raises(ValueError, match="context is full"):
+        s.step(r.tokens[-1], 0, GREEDY, 9)
+    s.truncate(0)
+    assert s.prefill(ids, GREEDY, 0) == last
+
+
+def test_bad_session_arguments_are_value_errors(models, tiny_target):
+    tgt, dft = models
+    with pytest.raises(ValueError, match="listed twice"):
+        _session(tgt, dft, [1, 1])
+    with pytest.raises(ValueError, match="not 'dflash'"):
+        _session(tgt, tgt, [1, 3])
+    with pytest.raises(ValueError, match="needs target feature layers"):
+        _session(tgt, dft)
+    with pytest.raises(ValueError, match="outside the target's"):
+        _session(tgt, None, [0])
+    with pytest.raises(ValueError, match="n_ctx"):
+        _session(tgt, n_ctx=1)
+    with pytest.raises(IndexError, match="truncate position 5"):
+        _session(tgt).truncate(5)
+    with pytest.raises(_native.NativeError, match="failed to load model"):
+        _native.Model(str(tiny_target) + ".missing")
+
+
+def test_sampler_arguments_and_nan_logits():
+    with pytest.raises(ValueError, match="min_p"):
+        _native.Sampling(1.0, 0, 1.0, 2.0)
+    with pytest.raises(ValueError, match="top_p"):
+        _native.Sampling(1.0, 0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        _native.Sampling(float("nan"))
+    with pytest.raises(ValueError, match="logits"):
+        _native.sample(np.zeros(0, np.float32), GREEDY, 0)
+    with pytest.raises(_native.NativeError, match="NaN"):
+        _native.sample(np.full(10, np.nan, np.float32), _native.Sampling(1.0, 0, 1.0, 0.1), 0)
+
+
+def test_verbosity_is_per_engine(tiny_target, tiny_drafter, capfd):
+    capfd.readouterr()
+    loud = Engine(tiny_target, tiny_drafter, n_ctx=256, verbose=True)
+    assert "llama_model_loader" in capfd.readouterr().err
+    quiet = Engine(tiny_target, tiny_drafter, n_ctx=256)
+    assert capfd.readouterr().err == ""
+    # an engine's first decode reserves the scheduler's graphs, and logs it: only the verbose engine shows it
+    loud.complete("Hello", max_tokens=4)
+    assert "sched_reserve" in capfd.readouterr().err
+    quiet.complete("Hello", max_tokens=4)
+    assert capfd.readouterr().err == ""
+    # and it can be changed afterwards, for one engine only
+    hushed = Engine(tiny_target, tiny_drafter, n_ctx=256, verbose=True)
+    raised = Engine(tiny_target, tiny_drafter, n_ctx=256)
+    capfd.readouterr()
+    hushed.set_verbose(False)
+    raised.set_verbose(True)
+    hushed.complete("Hello", max_tokens=2)
+    assert capfd.readouterr().err == ""
+    raised.complete("Hello", max_tokens=2)
+    assert "sched_reserve" in capfd.readouterr().err
+    # freeing a context logs its buffers
+    del quiet, hushed
+    gc.collect()
+    assert capfd.readouterr().err == ""
+    del loud, raised
+    gc.collect()
+    assert "~llama_context" in capfd.readouterr().err
+
+
+def test_importing_and_using_dflash_local_leaves_llama_cpp_python_logging_alone(tiny_target):
+    """llama-cpp-python installs its own log callback; ours only handles lines logged during our engines' calls."""
+    script = textwrap.dedent(f"""
+        import sys
+        def mark(s):
+            print("@@" + s, file=sys.stderr, flush=True)
+        mark("import")
+        from dflash_local import Engine
+        mark("quiet engine before llama_cpp")
+        Engine({str(tiny_target)!r}, n_ctx=64).complete("Hi", max_tokens=2)
+        import llama_cpp
+        mark("verbose llama_cpp model")
+        llama_cpp.Llama({str(tiny_target)!r}, n_ctx=64, verbose=True)
+        mark("quiet engine after llama_cpp")
+        Engine({str(tiny_target)!r}, n_ctx=64).complete("Hi", max_tokens=2)
+        mark("verbose llama_cpp model again")
+        llama_cpp.Llama({str(tiny_target)!r}, n_ctx=64, verbose=True)
+        mark("end")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    parts = dict(part.split("\n", 1) for part in p.stderr.split("@@")[1:])
+    assert parts["import"] == ""
+    assert parts["quiet engine before llama_cpp"] == ""
+    assert "llama_model_loader" in parts["verbose llama_cpp model"]
+    assert parts["quiet engine after llama_cpp"] == ""
+    assert "llama_model_loader" in parts["verbose llama_cpp model again"]
