@@ -34,6 +34,32 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
+def _template_file(path: str) -> str:
+    from .chat import read_template
+
+    try:
+        return read_template(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object, such as \'{"enable_thinking": false}\'')
+    return value
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-file", dest="chat_template", type=_template_file, metavar="FILE",
+                   help="Jinja chat template to use instead of the GGUF's")
+    p.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
+                   help='extra chat template variables, e.g. \'{"enable_thinking": false}\'')
+
+
 def _pair(args):
     """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
     from .models import default_drafter, default_target
@@ -63,6 +89,8 @@ def _load_engine(args):
         flash_attn=args.flash_attn,
         repack=args.repack,
         verbose=args.verbose,
+        chat_template=getattr(args, "chat_template", None),  # bench has no chat options
+        chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
     )
 
 
@@ -85,6 +113,8 @@ def stats_line(s) -> str:
 def cmd_generate(args) -> int:
     from .engine import Finished, TextDelta
 
+    if (args.chat_template or args.chat_template_kwargs) and not args.chat:
+        raise ValueError("--chat-template-file and --chat-template-kwargs apply to chat messages: add --chat")
     engine = _load_engine(args)
     if args.prompt is None:
         args.prompt = sys.stdin.read()
@@ -228,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("-p", "--prompt", help="prompt text (default: read standard input)")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--system", help="system message (with --chat)")
+    _chat_args(g)
     g.add_argument("-n", "--max-tokens", type=int, default=256)
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
     g.add_argument("--top-k", type=int, default=0)
@@ -245,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"), help="require this key (Bearer or x-api-key)")
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
+    _chat_args(s)
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tui", help="chat in the terminal with live tokens/s and acceptance")
     _engine_args(t)
+    _chat_args(t)
     t.set_defaults(func=cmd_tui)
 
     b = sub.add_parser("bench", help="baseline vs DFlash on a prompt set: speed, acceptance, costs")

@@ -78,6 +78,8 @@ class Engine:
         flash_attn: bool = False,
         repack: bool = False,
         verbose: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         """capture: how target features are read: 'auto' (from the architecture), 'layer_api' or 'callback'.
 
@@ -90,6 +92,9 @@ class Engine:
         flash_attn and repack select faster CPU kernels for the target that round differently for a verify batch
         than for a single token, so greedy output may then differ from plain decoding where two tokens nearly tie.
         Both are off by default: verification is then bit-exact on CPUs.
+
+        chat_template replaces the GGUF's chat template; chat_template_kwargs are extra variables for it (such as
+        enable_thinking), under those of each request.
         """
         if capture not in ("auto", "layer_api", "callback"):
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
@@ -115,6 +120,8 @@ class Engine:
         self.n_ctx = min(n_ctx, n_ctx_train)
         self.n_threads = n_threads or os.cpu_count() or 1
         self.draft_path = draft
+        self.chat_template = chat_template or self.target_info.kv.get("tokenizer.chat_template")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.target = _native.Model(str(model), n_gpu_layers, repack, verbose)
         self.drafter = None  # the llama.cpp drafter
         self.torch_drafter = None
@@ -218,17 +225,21 @@ class Engine:
     def detokenize(self, ids: list[int]) -> str:
         return b"".join(self.target.piece(t) for t in ids).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        template = self.target_info.kv.get("tokenizer.chat_template")
-        bos = self.target.piece(self.target.bos).decode(errors="replace") if self.target.bos >= 0 else ""
-        eos = self.target.piece(self.target.eos).decode(errors="replace") if self.target.eos >= 0 else ""
-        return chat.render(messages, template, self.target_info.arch, bos, eos)
+    def chat_prompt(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text for chat messages; chat_template_kwargs (tools, enable_thinking, ...) go to the template."""
+        bos = self.target.piece(self.target.bos, True).decode(errors="replace") if self.target.bos >= 0 else ""
+        eos = self.target.piece(self.target.eos, True).decode(errors="replace") if self.target.eos >= 0 else ""
+        if not isinstance(chat_template_kwargs or {}, dict):
+            raise ValueError("chat_template_kwargs must be a dict of template variables")
+        variables = {**self.chat_template_kwargs, **(chat_template_kwargs or {})}
+        return chat.render(messages, self.chat_template, self.target_info.arch, bos, eos, variables)
 
-    def prompt_tokens(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def prompt_tokens(self, prompt: str | None = None, messages: list[dict] | None = None,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise ValueError("give either a prompt or chat messages")
         if messages is not None:
-            ids = self.tokenize(self.chat_prompt(messages), special=True)
+            ids = self.tokenize(self.chat_prompt(messages, chat_template_kwargs), special=True)
         else:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string")
@@ -249,6 +260,7 @@ class Engine:
         prompt: str | None = None,
         messages: list[dict] | None = None,
         *,
+        chat_template_kwargs: dict | None = None,
         max_tokens: int = 256,
         stop: list[str] | tuple[str, ...] = (),
         temperature: float = 0.0,
@@ -267,7 +279,7 @@ class Engine:
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-        ids = self.prompt_tokens(prompt, messages)
+        ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,6 +63,10 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict] | None = None
+    # passed to the chat template as they come, so that a conversation with tool calls renders whole
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -76,6 +81,11 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict] | None = None  # rendered by the chat template; tool calls in the output are not parsed
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, over the server's defaults
+
+    def template_kwargs(self) -> dict:
+        return (self.chat_template_kwargs or {}) | ({"tools": self.tools} if self.tools else {})
 
 
 class CompletionRequest(_Body):
@@ -193,8 +203,9 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         check_key(request)
         check_model(body.model)
         engine = ready()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return await generate(engine, body, request, {"messages": messages}, chat=True)
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        prompt_kw = {"messages": messages, "chat_template_kwargs": body.template_kwargs()}
+        return await generate(engine, body, request, prompt_kw, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -253,17 +253,18 @@ struct Model {
     }
 
     // Raw bytes of one token; a UTF-8 character may be split across tokens, so Python joins bytes, not strings.
-    py::bytes piece(llama_token tok) const {
+    // special: control tokens give their text (for chat templates' bos_token); otherwise they give nothing.
+    py::bytes piece(llama_token tok, bool special) const {
         need_tokenizer();
         if (tok < 0 || tok >= n_vocab()) {
             throw std::out_of_range("token id " + std::to_string(tok) + " outside the vocabulary");
         }
         LogScope log(verbose);
         char buf[256];
-        int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof(buf), 0, false);
+        int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof(buf), 0, special);
         if (n < 0) {
             std::string big(-n, '\0');
-            n = llama_token_to_piece(vocab, tok, big.data(), (int32_t) big.size(), 0, false);
+            n = llama_token_to_piece(vocab, tok, big.data(), (int32_t) big.size(), 0, special);
             return py::bytes(big.data(), std::max(n, 0));
         }
         return py::bytes(buf, n);
@@ -951,7 +952,7 @@ PYBIND11_MODULE(_native, m) {
         .def("meta", &Model::meta)
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = false)
-        .def("piece", &Model::piece)
+        .def("piece", &Model::piece, py::arg("tok"), py::arg("special") = false)
         .def("is_eog", [](const Model & mm, llama_token t) { return llama_vocab_is_eog(mm.vocab, t); })
         .def_property_readonly("arch", &Model::arch)
         .def_property_readonly("n_vocab", &Model::n_vocab)

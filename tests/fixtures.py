@@ -165,7 +165,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> dict:
     }
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, tok: dict) -> None:
+def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, chat_template: str | None = CHATML_TEMPLATE) -> None:
     sp = tok["special"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # qwen2 keeps clean_spaces off, so detokenize is exact
@@ -178,7 +178,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, tok: dict) -> None:
     w.add_pad_token_id(sp["<|endoftext|>"])
     w.add_mask_token_id(sp["<|mask|>"])
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
 
 class _Init:
@@ -216,8 +217,9 @@ def _add_hparams(w, **shape):
 
 
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
-                      head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE) -> Path:
-    """Random-weight qwen3 model with a real tiny BPE tokenizer."""
+                      head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE,
+                      chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    """Random-weight qwen3 model with a real tiny BPE tokenizer; chat_template=None writes none."""
     tok = build_tokenizer(vocab_size)
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
@@ -226,7 +228,7 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         w.add_name("tiny-target")
         _add_hparams(w, n_ctx=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
                      n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
-        _add_tokenizer(w, tok)
+        _add_tokenizer(w, tok, chat_template)
         # Unit-variance embeddings and strong residual branches keep the random model
         # chaotic enough that greedy decoding does not lock onto one token at once.
         w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,6 +17,7 @@ import uvicorn
 from conftest import make_prompts
 
 from dflash_local import Engine
+from dflash_local.chat import read_template, render
 from dflash_local.server import create_app
 
 KEY = "sk-test-key"
@@ -186,6 +188,98 @@ def test_malformed_json_and_unknown_fields(server):
     body = {"messages": [{"role": "user", "content": "hi", "name": "x"}], "max_tokens": 2, "frequency_penalty": 0,
             "logit_bias": {}, "user": "u", "whatever": [1, 2]}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth()).status_code == 200
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tiny_target, tiny_drafter):
+    """As `serve --chat-template-file qwen3-like.jinja --chat-template-kwargs '{"enable_thinking": false}'`."""
+    template = read_template(TEMPLATES / "qwen3-like.jinja")
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024, chat_template=template,
+                    chat_template_kwargs={"enable_thinking": False})
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    s.wait_healthy()
+    s.template = template
+    yield s
+    s.stop()
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template(qwen3_server, reference):
+    client = openai.OpenAI(base_url=qwen3_server.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+
+    def n_prompt(variables):
+        return len(reference.tokenize(render(msgs, qwen3_server.template, "qwen3", variables=variables), special=True))
+
+    def ask(**kw):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0, **kw)
+        return r.usage.prompt_tokens
+
+    assert n_prompt({"enable_thinking": False}) != n_prompt({})
+    assert ask() == n_prompt({"enable_thinking": False})  # the server's default kwargs
+    assert ask(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == n_prompt({})  # the request's win
+    assert ask(extra_body={"chat_template_kwargs": {"other": 1}}) == n_prompt({"enable_thinking": False})  # merged
+    with_tools = n_prompt({"enable_thinking": False, "tools": [WEATHER]})
+    assert with_tools > n_prompt({"enable_thinking": False}) + 50
+    assert ask(tools=[WEATHER]) == with_tools
+
+    # a whole tool-call round trip: the assistant's tool_calls and the tool's answer are rendered
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    rendered = render([msgs[0], {**msgs[1], "content": ""}, msgs[2]], qwen3_server.template, "qwen3",
+                      variables={"tools": [WEATHER], "enable_thinking": False})
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered
+    assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in rendered
+    assert ask(tools=[WEATHER]) == len(reference.tokenize(rendered, special=True))
+
+
+def test_template_errors_are_400_with_the_templates_message(qwen3_server, server):
+    body = {"messages": [{"role": "narrator", "content": "x"}], "max_tokens": 2}
+    r = httpx.post(qwen3_server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the chat template refused the messages: Unexpected message role: narrator"
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}
+    r = httpx.post(qwen3_server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "cannot replace 'messages'" in r.json()["error"]["message"]
+    # the tiny GGUF's own ChatML template does not render tools: refused, not dropped
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth())
+    assert r.status_code == 400 and "does not render tools" in r.json()["error"]["message"]
+
+
+def test_serve_takes_chat_template_options(tiny_target, tmp_path):
+    port = free_port()
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ greeting }}, {{ messages[-1].content }} ->")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "--port", str(port),
+         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "world"}], "max_tokens": 2}
+        engine = Engine(tiny_target, n_ctx=256)
+        for kwargs, text in [({}, "Hello, world ->"), ({"greeting": "Bye"}, "Bye, world ->")]:
+            r = httpx.post(url + "/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(text, special=True))
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_prompt_beyond_the_context(server, client):
