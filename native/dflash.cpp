@@ -184,8 +184,10 @@ struct Model {
     llama_model * model = nullptr;
     const llama_vocab * vocab = nullptr;
     std::atomic<bool> verbose;  // print llama.cpp's log during this model's calls
+    const int n_gpu_layers;
 
-    Model(const std::string & path, int n_gpu_layers, bool repack, bool verbose) : verbose(verbose) {
+    Model(const std::string & path, int n_gpu_layers, bool repack, bool verbose)
+        : verbose(verbose), n_gpu_layers(n_gpu_layers) {
         LogScope log(verbose);
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = n_gpu_layers;
@@ -589,6 +591,10 @@ private:
 
     void create_contexts(int n_ctx_want, int n_threads, bool flash_attn) {
         llama_context_params cp = context_params(n_ctx_want, n_threads, flash_attn);
+        // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
+        // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
+        // CPU computes on the CPU.
+        cp.op_offload = tgt.n_gpu_layers != 0;
         if (!layers.empty() && !layer_api) {
             cp.cb_eval           = eval_cb;
             cp.cb_eval_user_data = this;
