@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _native, chat
-from .drafters import Drafter, NativeDrafter, as_drafter
+from .drafter import Drafter, NativeDrafter, as_drafter
 from .gguf_file import read_gguf
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
@@ -255,7 +255,7 @@ class Engine:
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
 
-        external_drafter drafts in place of the engine's own drafter: a Drafter (drafters.py), or a function of the
+        external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
         tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
         """
         if not isinstance(max_tokens, int) or max_tokens < 1:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafters import Drafter
+from .drafter import Drafter
 from .gguf_file import read_gguf
 
 

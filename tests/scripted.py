@@ -6,7 +6,7 @@ native code. Cycling the error offset through 0..n (n meaning no error) forces e
 
 import random
 
-from dflash_local.drafters import Drafter
+from dflash_local.drafter import Drafter
 
 
 class ScriptedDrafter(Drafter):

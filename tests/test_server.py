@@ -16,7 +16,7 @@ import uvicorn
 from conftest import make_prompts
 
 from dflash_local import Engine
-from dflash_local.drafters import Drafter
+from dflash_local.drafter import Drafter
 from dflash_local.server import create_app
 
 KEY = "sk-test-key"
