@@ -5,8 +5,8 @@ far, the newest last). A DFlash drafter reads the target's features and keeps th
 position of the target's KV cache: the engine crops that context when the cache is cut back and extends it with the
 positions each prefill chunk and each step decode.
 
-Three kinds implement it: the llama.cpp drafter inside the native session (NativeDrafter), the PyTorch drafter
-(torch_drafter.TorchDraftBackend), and any function of (tokens, k), which is how tests script their drafts.
+It is implemented by the llama.cpp drafter inside the native session (NativeDrafter), the PyTorch drafter
+(torch_drafter.TorchDraftBackend), any function of (tokens, k) (FunctionDrafter), and the tests' scripted drafter.
 """
 
 from __future__ import annotations
