@@ -53,11 +53,11 @@ def load_prompts(path: str | None) -> list[dict]:
 
 
 def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int, float]:
-    """Median target time T(k) for verifying k tokens, k = 1..block (drafts forced, so every k is exact)."""
+    """Median target time T(k) for verifying k tokens, k = 1..block (drafts given, so every k is exact)."""
     s, sp = engine.session, _native.Sampling()
     s.set_capture(False)
     s.truncate(0)
-    engine._cached, engine._draft_valid = [], 0  # the session is driven by hand here
+    engine.cache.clear()  # the session is driven by hand here
     ids = engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"])
     last = s.prefill(ids, sp, 0)
     curve = {}
@@ -65,7 +65,7 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int,
         times = []
         for _ in range(repeats):
             p0 = s.n_past
-            r = s.step(last, 0, sp, 1, [last] * (k - 1), False)
+            r = s.step(last, [last] * (k - 1), sp, 1)
             times.append(r.verify_ms)
             s.truncate(p0)  # measure every k at the same place
         curve[k] = statistics.median(times)

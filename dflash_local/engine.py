@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _native, chat
+from .drafter import Drafter, NativeDrafter, as_drafter
 from .gguf_file import read_gguf
 from .policy import DraftPolicy
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .stats import StatsTracker, StepStats, Summary
-from .textstream import TextStream
+from .textstream import Output
 from .validate import DraftSpec, check_pair, check_target
 
 
@@ -45,10 +47,6 @@ class Finished:
 
 
 Event = TextDelta | StepStats | Finished
-
-# An external drafter gets the tokens so far (prompt + generated, the newest last) and a draft length, and returns
-# its proposed next tokens. Used for scripted drafters in tests and drafters that run outside llama.cpp.
-ExternalDrafter = Callable[[list[int], int], list[int]]
 
 
 def _file_type(info) -> str:
@@ -123,23 +121,25 @@ class Engine:
         self.chat_template = chat_template or self.target_info.kv.get("tokenizer.chat_template")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.target = _native.Model(str(model), n_gpu_layers, repack, verbose)
-        self.drafter = None  # the llama.cpp drafter
-        self.torch_drafter = None
+        self.draft_model = None  # the llama.cpp drafter's weights
+        self.drafter: Drafter | None = None  # what drafts when generate() is not given a drafter
         if draft and draft_backend == "ggml":
-            self.drafter = _native.Model(str(draft), n_gpu_layers, True, verbose)  # drafts need no bit-exactness
+            self.draft_model = _native.Model(str(draft), n_gpu_layers, True, verbose)  # drafts need no bit-exactness
         elif draft:
             from .torch_drafter import TorchDraftBackend, pick_device
 
-            self.torch_drafter = TorchDraftBackend.load(draft, model, pick_device(draft_device))
-            sh = self.torch_drafter.model.shape
+            self.drafter = TorchDraftBackend.load(draft, model, pick_device(draft_device))
+            sh = self.drafter.model.shape
             self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token)
 
         layers = self.spec.layers if self.spec else []
         arch = self.target_info.arch
         use_layer_api = capture == "layer_api" or (capture == "auto" and _native.arch_records_layer_inputs(arch))
         self.session = _native.Session(
-            self.target, self.drafter, layers, self.n_ctx, self.n_threads, use_layer_api, flash_attn, verbose
+            self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api, flash_attn, verbose
         )
+        if self.draft_model is not None:
+            self.drafter = NativeDrafter(self.session)
 
         # Greedy verification reproduces plain decoding bit for bit only when every kernel rounds a verify batch row
         # exactly as it rounds a single token (see README, "Lossless")
@@ -155,13 +155,12 @@ class Engine:
         self.block_size = min(block_size or trained, trained)
         self.draft_policy = draft_policy
         self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
-        self._cached: list[int] = []  # the tokens in the target's KV cache, in order
-        self._draft_valid = 0  # how many of them the drafter's cache holds features for
+        self.cache = PromptCache()
         self._lock = threading.Lock()
 
     def set_verbose(self, on: bool) -> None:
         """Show llama.cpp's log during this engine's calls (other engines keep their own setting)."""
-        for native in (self.target, self.drafter, self.session):
+        for native in (self.target, self.draft_model, self.session):
             if native is not None:
                 native.verbose = on
 
@@ -169,7 +168,7 @@ class Engine:
 
     @property
     def has_drafter(self) -> bool:
-        return self.drafter is not None or self.torch_drafter is not None
+        return self.drafter is not None
 
     def model_info(self) -> dict:
         """What a frontend shows about the loaded pair."""
@@ -193,10 +192,10 @@ class Engine:
             "gpu_offload": _native.supports_gpu_offload(),
             "drafter": None,
         }
-        if self.torch_drafter is not None:
-            info["draft_backend"] = f"torch ({self.torch_drafter.device})"
-        elif self.drafter is not None:
+        if self.draft_model is not None:
             info["draft_backend"] = "ggml"
+        elif self.drafter is not None:
+            info["draft_backend"] = f"torch ({self.drafter.device})"
         if self.spec:
             d = self.draft_info
             info["drafter"] = {
@@ -204,7 +203,7 @@ class Engine:
                 "arch": d.arch if d else "DFlashDraftModel (checkpoint)",
                 "quant": _file_type(d) if d else "safetensors",
                 "size_bytes": d.path.stat().st_size if d else 0,
-                "n_layer": d.get("block_count") if d else self.torch_drafter.model.shape.n_layer,
+                "n_layer": d.get("block_count") if d else self.drafter.model.shape.n_layer,
                 "target_layers": self.spec.layers,
                 "trained_block_size": self.spec.block_size,
             }
@@ -269,9 +268,13 @@ class Engine:
         min_p: float = 0.0,
         seed: int | None = None,
         draft: bool = True,
-        external_drafter: ExternalDrafter | None = None,
+        external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
     ) -> Iterator[Event]:
-        """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline."""
+        """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
+
+        external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
+        tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
+        """
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if isinstance(stop, str):
@@ -280,124 +283,111 @@ class Engine:
             raise ValueError("stop must be a string or a list of strings")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
+        drafter = None
+        if draft:
+            drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), params, draft, external_drafter)
+            yield from self._generate(ids, max_tokens, list(stop), params, drafter)
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, params, draft, external_drafter) -> Iterator[Event]:
-        s = self.session
-        sampling = params.native()
-        drafting = draft and (self.has_drafter or external_drafter is not None)
-        policy = self._policy_for(self.block_size - 1 if drafting else 0)
-        stream = TextStream(stop)
-        tracker = StatsTracker(max(self.block_size, 2) if drafting else 1)
-        out: list[int] = []  # emitted tokens
-        produced: list[int] = []  # every token the target produced, also past a stop (they are in the cache)
-        finish = None
-
-        def emit(tok: int) -> str:
-            nonlocal finish
-            if self.target.is_eog(tok):
-                finish = "eos"
-                return ""
-            out.append(tok)
-            delta = stream.feed(self.target.piece(tok))
-            if stream.stopped_by is not None:
-                finish = "stop"
-            elif len(out) >= max_tokens:
-                finish = "length"
-            return delta
-
-        # reuse the cached prefix; at least one prompt token is decoded so that its logits exist
-        n_cached = 0
-        while n_cached < min(len(self._cached), len(ids) - 1) and self._cached[n_cached] == ids[n_cached]:
-            n_cached += 1
-        if drafting:
-            n_cached = min(n_cached, self._draft_valid)
-        s.set_capture(drafting)
-        self._draft_valid = min(self._draft_valid, n_cached)
-        td = self.torch_drafter if drafting and external_drafter is None else None
+    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None) -> Iterator[Event]:
+        """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
+        s, sampling = self.session, params.native()
+        policy = self._policy_for(self.block_size - 1 if drafter else 0)
+        tracker = StatsTracker(max(self.block_size, 2) if drafter else 1)
+        out = Output(self.target, stop, max_tokens)
+        tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
+        n_cached = self._reuse_cache(ids, drafter)
         try:
             t0 = time.perf_counter()
-            s.truncate(n_cached)
-            self._cached = ids[:n_cached]
-            if td is None:
-                first = s.prefill(ids[n_cached:], sampling, 0)
-            else:
-                # the torch drafter needs the features of every prompt position: prefill chunk by chunk
-                td.crop(n_cached)
-                for off in range(n_cached, len(ids), PREFILL_CHUNK):
-                    first = s.prefill(ids[off : off + PREFILL_CHUNK], sampling, 0)
-                    td.add(s.features(), off)
+            tokens.append(self._prefill(ids, n_cached, sampling, drafter))
             prompt_ms = (time.perf_counter() - t0) * 1000
-            self._cached = list(ids)
-            produced.append(first)
-            delta = emit(first)
-            if delta:
-                yield TextDelta(delta)
-            last = first
-            while finish is None:
+            text = out.add(tokens[-1:])
+            if text:
+                yield TextDelta(text)
+
+            while out.finish is None:
                 if s.n_past >= self.n_ctx:
-                    finish = "context_full"
+                    out.finish = "context_full"
                     break
                 t_step = time.perf_counter()
-                want = min(policy.choose(), max_tokens - len(out) - 1)  # drafts past max_tokens would be wasted
-                forced, torch_ms, p0 = None, 0.0, s.n_past
-                if external_drafter is not None and want > 0:
-                    forced = list(external_drafter(ids + produced, want))[:want]
-                elif td is not None and want > 0:
-                    forced = td.propose(last, want)
-                    torch_ms = (time.perf_counter() - t_step) * 1000
-                r = s.step(last, want, sampling, len(produced), forced)
-                if td is not None:
-                    t_add = time.perf_counter()
-                    td.add(s.features()[: r.n_accepted + 1], p0)
-                    torch_ms += (time.perf_counter() - t_add) * 1000
-                self._cached = (ids + produced)[: s.n_past]
-                produced.extend(r.tokens)
-                text, n_out = "", len(out)
-                for tok in r.tokens:
-                    text += emit(tok)
-                    if finish:
-                        break
-                last = r.tokens[-1]
-                wall_ms = (time.perf_counter() - t_step) * 1000
+                k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
+                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampling, drafter)
+                tokens.extend(r.tokens)
+                n_out = len(out.ids)
+                text = out.add(r.tokens)
                 stats = StepStats(
                     step=len(tracker.steps),
                     n_drafted=len(r.draft),
                     n_accepted=r.n_accepted,
-                    n_tokens=len(out) - n_out,
-                    draft_ms=r.draft_ms + torch_ms,
+                    n_tokens=len(out.ids) - n_out,
+                    draft_ms=draft_ms,
                     verify_ms=r.verify_ms,
-                    other_ms=max(wall_ms - r.draft_ms - torch_ms - r.verify_ms, 0.0),
+                    other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms, 0.0),
                 )
                 tracker.add(stats)
                 policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms)
                 if text:
                     yield TextDelta(text)
                 yield stats
-            tail = stream.flush()
+
+            tail = out.stream.flush()
             if tail:
                 yield TextDelta(tail)
             summary = tracker.summary(
-                finish_reason=finish,
-                drafting=drafting,
+                finish_reason=out.finish,
+                drafting=drafter is not None,
                 n_prompt=len(ids),
                 n_cached=n_cached,
-                n_generated=len(out),
+                n_generated=len(out.ids),
                 prompt_ms=prompt_ms,
             )
-            yield Finished(stream.text, list(out), summary)
+            yield Finished(out.stream.text, list(out.ids), summary)
         finally:
-            # whatever happened (a stop, an error, the consumer walking away), the cache record stays true: a failed
-            # native call leaves n_past at what the caches still hold
-            self._cached = (ids + produced)[: s.n_past]
-            if drafting:  # a torch drafter skipped for an external one did not follow: its context ends earlier
-                tdr = self.torch_drafter
-                self._draft_valid = s.n_past if tdr is None else min(s.n_past, tdr.n)
+            # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
+            self.cache.record(s, tokens, captured=drafter is not None)
+
+    def _reuse_cache(self, ids: list[int], drafter: Drafter | None) -> int:
+        """Cut the caches back to the prefix of the prompt they can keep; return its length."""
+        self.session.set_capture(drafter is not None)  # a drafter needs the target's features
+        n = self.cache.reusable(ids, drafter)
+        self.cache.truncate(self.session, n)
+        for d in (self.drafter, drafter):  # the engine's own drafter too: what it held past n is stale now
+            if d is not None:
+                d.crop(n)
+        return n
+
+    def _prefill(self, ids: list[int], n_cached: int, sampling, drafter: Drafter | None) -> int:
+        """Decode the prompt after the cached prefix; return the first generated token."""
+        s = self.session
+        for off in range(n_cached, len(ids), PREFILL_CHUNK):  # features() holds the last chunk's rows only
+            chunk = ids[off : off + PREFILL_CHUNK]
+            first = s.prefill(chunk, sampling, 0)
+            if drafter:
+                drafter.extend(s, off, len(chunk))
+        return first
+
+    def _speculate(self, tokens: list[int], k: int, index: int, sampling, drafter: Drafter | None):
+        """One step: the drafter proposes k tokens after `tokens`, the target verifies them (its own token at each
+        position is generated token number index + i), the drafter takes the accepted positions' features.
+        Returns the native StepResult and the drafter's milliseconds."""
+        s = self.session
+        proposal, draft_ms = [], 0.0
+        if k > 0:
+            t0 = time.perf_counter()
+            proposal = drafter.draft(tokens, k)
+            draft_ms = (time.perf_counter() - t0) * 1000
+        pos0 = s.n_past
+        r = s.step(tokens[-1], proposal, sampling, index)
+        draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
+        if drafter:
+            t0 = time.perf_counter()
+            drafter.extend(s, pos0, r.n_accepted + 1)
+            draft_ms += (time.perf_counter() - t0) * 1000
+        return r, draft_ms
 
     def _policy_for(self, max_draft: int) -> DraftPolicy:
         adaptive = self.draft_policy == "auto"

@@ -49,3 +49,32 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+class Output:
+    """The generated tokens a caller gets, and their text: they end before an end-of-generation token, at a stop
+    string or at max_tokens; `finish` says which (None while going on)."""
+
+    def __init__(self, vocab, stop: list[str] | tuple[str, ...], max_tokens: int):
+        self.vocab = vocab  # is_eog(token) -> bool, piece(token) -> bytes
+        self.max_tokens = max_tokens
+        self.stream = TextStream(stop)
+        self.ids: list[int] = []
+        self.finish: str | None = None
+
+    def add(self, tokens: list[int]) -> str:
+        """Take one step's tokens, in order, up to the first that ends the output; return the text now safe to show."""
+        text = ""
+        for tok in tokens:
+            if self.vocab.is_eog(tok):
+                self.finish = "eos"
+                break
+            self.ids.append(tok)
+            text += self.stream.feed(self.vocab.piece(tok))
+            if self.stream.stopped_by is not None:
+                self.finish = "stop"
+            elif len(self.ids) >= self.max_tokens:
+                self.finish = "length"
+            if self.finish:
+                break
+        return text

@@ -25,6 +25,7 @@ with needs_extra("torch", "--draft-backend torch"):
     import torch.nn.functional as F
     from torch import nn
 
+from .drafter import Drafter
 from .gguf_file import read_gguf
 
 
@@ -208,7 +209,7 @@ def load_zlab_drafter(path, target_info) -> DFlashDrafter:
     return DFlashDrafter(shape, weights)
 
 
-class TorchDraftBackend:
+class TorchDraftBackend(Drafter):
     """Runs a DFlashDrafter beside the llama.cpp target: keeps the context K/V per position, drafts blocks."""
 
     def __init__(self, model: DFlashDrafter, embed: np.ndarray, head: np.ndarray, device: str = "cpu",
@@ -230,10 +231,16 @@ class TorchDraftBackend:
         head = _dequantized(t, "output.weight") if "output.weight" in t.tensors else embed
         return cls(model, embed, head, device)
 
+    def context(self) -> int:
+        return self.n
+
     def crop(self, n: int) -> None:
         """Forget context positions from n on."""
         self.ctx = [(k[:n], v[:n]) for k, v in self.ctx]
         self.n = min(self.n, n)
+
+    def extend(self, session, pos0: int, n: int) -> None:
+        self.add(session.features()[:n], pos0)
 
     @torch.inference_mode()
     def add(self, features: np.ndarray, pos0: int) -> None:
@@ -261,8 +268,8 @@ class TorchDraftBackend:
         full[:, self.model.d2t] = h @ self.model.lm_head.T
         return full
 
-    def propose(self, last: int, n: int) -> list[int]:
-        return self.logits(last, n).argmax(-1).tolist()
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return self.logits(tokens[-1], k).argmax(-1).tolist()
 
 
 def pick_device(name: str) -> str:

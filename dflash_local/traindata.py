@@ -47,7 +47,7 @@ def generate_sample(session, model, prompt: str, max_new: int, n_prompt_max: int
         tokens.append(last)
         if len(tokens) - len(ids) == max_new or session.n_past + 1 >= session.n_ctx:
             break
-        last = session.step(last, 0, greedy, 0).tokens[0]
+        last = session.step(last, [], greedy, 0).tokens[0]
         feats.append(session.features())
     return Sample(np.asarray(tokens, dtype=np.int32), len(ids), np.concatenate(feats)[: len(tokens) - 1], prompt)
 

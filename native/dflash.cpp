@@ -1,9 +1,9 @@
 // The per-step work of DFlash speculative decoding, written directly against llama.cpp's C API.
 //
 // A Session owns a target context and, optionally, a DFlash drafter context that borrows the target's token
-// embeddings and LM head (ctx_other). One call of step() drafts a block, verifies it with the target in one batch,
-// accepts the longest agreeing prefix plus the target's own token, rolls back both KV caches and feeds the
-// accepted positions' target features to the drafter. Python only sees whole steps.
+// embeddings and LM head (ctx_other). draft() proposes a block from the drafter; step() verifies a proposal (from
+// this drafter or any other) with the target in one batch, accepts the longest agreeing prefix plus the target's own
+// token, rolls back both KV caches and feeds the accepted positions' target features to the drafter.
 
 #include "llama.h"
 #include "ggml-backend.h"
@@ -19,7 +19,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -372,12 +371,16 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
 // ---------------------------------------------------------------------------------------------------------------
 // Session: target context, optional drafter context, and the speculative step.
 
+struct Draft {
+    std::vector<llama_token> tokens;  // the proposed tokens
+    std::vector<float>       probs;   // the drafter's probability of each (when asked for)
+};
+
 struct StepResult {
     std::vector<llama_token> tokens;       // accepted draft tokens followed by the target's own token
-    std::vector<llama_token> draft;        // what the drafter proposed
-    std::vector<float>       draft_probs;  // drafter's probability of each proposed token
+    std::vector<llama_token> draft;        // the proposal verified (cut where the context or the batch ends)
     int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
-    double draft_ms   = 0.0;               // drafter compute: noise block decode and feature injection
+    double draft_ms   = 0.0;               // drafter compute: feature injection
     double verify_ms  = 0.0;               // target compute: the verify batch
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
 };
@@ -456,18 +459,31 @@ public:
         });
     }
 
-    // One speculative step. `last` is the newest token, not yet in the caches. `forced_draft`, when given,
-    // replaces the drafter's proposal (a scripted drafter for tests, or a drafter running outside llama.cpp).
-    StepResult step(llama_token last, int n_draft, const Sampling & s, uint64_t index,
-                    const std::vector<llama_token> * forced_draft, bool with_probs) {
-        check_tokens({last});
-        if (forced_draft) {
-            check_tokens(*forced_draft);
+    // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
+    // caches), at most a block.
+    Draft draft(llama_token last, int n_draft, bool with_probs) {
+        if (!ctx_dft) {
+            throw std::logic_error("this session has no llama.cpp drafter");
         }
+        check_tokens({last});
+        return transaction([&] {
+            Draft d;
+            if (n_draft > 0) {
+                draft_block(last, std::min(n_draft, block_size - 1), with_probs, d);
+            }
+            return d;
+        });
+    }
+
+    // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
+    // not yet in the caches.
+    StepResult step(llama_token last, const std::vector<llama_token> & draft, const Sampling & s, uint64_t index) {
+        check_tokens({last});
+        check_tokens(draft);
         if (past + 1 > n_ctx) {
             throw std::length_error("context is full");
         }
-        return transaction([&] { return step_unchecked(last, n_draft, s, index, forced_draft, with_probs); });
+        return transaction([&] { return step_unchecked(last, draft, s, index); });
     }
 
     // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
@@ -717,24 +733,13 @@ private:
         }
     }
 
-    StepResult step_unchecked(llama_token last, int n_draft, const Sampling & s, uint64_t index,
-                              const std::vector<llama_token> * forced_draft, bool with_probs) {
+    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
+                              uint64_t index) {
         const auto t_step = std::chrono::steady_clock::now();
         StepResult r;
-        if (forced_draft) {
-            r.draft = *forced_draft;
-        } else if (ctx_dft && capture && n_draft > 0) {
-            n_draft = std::min(n_draft, block_size - 1);
-            const auto t0 = std::chrono::steady_clock::now();
-            draft_block(last, n_draft, with_probs, r);
-            r.draft_ms += ms_since(t0);
-        }
         // never verify past the end of the context or the batch
         const int room = std::min(n_ctx - past - 1, n_batch - 1);
-        if ((int) r.draft.size() > room) {
-            r.draft.resize(room);
-            r.draft_probs.resize(std::min<size_t>(r.draft_probs.size(), room));
-        }
+        r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
 
         std::vector<llama_token> block;
         block.reserve(r.draft.size() + 1);
@@ -863,7 +868,7 @@ private:
     }
 
     // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
-    void draft_block(llama_token last, int n_draft, bool with_probs, StepResult & r) {
+    void draft_block(llama_token last, int n_draft, bool with_probs, Draft & d) {
         drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
         // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
@@ -880,14 +885,14 @@ private:
                 draft_rows.insert(draft_rows.end(), row, row + n_vocab);
             }
             const llama_token t = argmax(row, n_vocab);
-            r.draft.push_back(t);
+            d.tokens.push_back(t);
             if (with_probs) {
                 const float lmax = row[t];
                 double z = 0.0;
                 for (int j = 0; j < n_vocab; ++j) {
                     z += std::exp(row[j] - lmax);
                 }
-                r.draft_probs.push_back((float) (1.0 / z));
+                d.probs.push_back((float) (1.0 / z));
             }
         }
     }
@@ -975,10 +980,13 @@ PYBIND11_MODULE(_native, m) {
             return std::string(buf);
         });
 
+    py::class_<Draft>(m, "Draft")
+        .def_readonly("tokens", &Draft::tokens)
+        .def_readonly("probs", &Draft::probs);
+
     py::class_<StepResult>(m, "StepResult")
         .def_readonly("tokens", &StepResult::tokens)
         .def_readonly("draft", &StepResult::draft)
-        .def_readonly("draft_probs", &StepResult::draft_probs)
         .def_readonly("n_accepted", &StepResult::n_accepted)
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
@@ -1003,14 +1011,10 @@ PYBIND11_MODULE(_native, m) {
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampling"), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
-        .def("step",
-             [](Session & self, llama_token last, int n_draft, const Sampling & s, uint64_t index,
-                std::optional<std::vector<llama_token>> forced, bool with_probs) {
-                 py::gil_scoped_release release;
-                 return self.step(last, n_draft, s, index, forced ? &*forced : nullptr, with_probs);
-             },
-             py::arg("last"), py::arg("n_draft"), py::arg("sampling"), py::arg("index"),
-             py::arg("forced_draft") = py::none(), py::arg("with_probs") = false)
+        .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
+             py::call_guard<py::gil_scoped_release>())
+        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
+             py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
         .def("logits", &Session::logits)
         .def("keep_draft_logits", &Session::keep_draft_logits)

@@ -165,7 +165,8 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> dict:
     }
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, chat_template: str | None = CHATML_TEMPLATE) -> None:
+def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, chat_template: str | None = CHATML_TEMPLATE,
+                   eos: int | None = None) -> None:
     sp = tok["special"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # qwen2 keeps clean_spaces off, so detokenize is exact
@@ -173,7 +174,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, tok: dict, chat_template: str | None = CH
     w.add_token_types(tok["types"])
     w.add_token_merges(tok["merges"])
     w.add_bos_token_id(sp["<|endoftext|>"])
-    w.add_eos_token_id(sp["<|endoftext|>"])
+    w.add_eos_token_id(sp["<|endoftext|>"] if eos is None else eos)
     w.add_eot_token_id(sp["<|im_end|>"])
     w.add_pad_token_id(sp["<|endoftext|>"])
     w.add_mask_token_id(sp["<|mask|>"])
@@ -218,8 +219,9 @@ def _add_hparams(w, **shape):
 
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
                       head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE,
-                      chat_template: str | None = CHATML_TEMPLATE) -> Path:
-    """Random-weight qwen3 model with a real tiny BPE tokenizer; chat_template=None writes none."""
+                      chat_template: str | None = CHATML_TEMPLATE, eos=None) -> Path:
+    """Random-weight qwen3 model with a real tiny BPE tokenizer; chat_template=None writes none. `eos` makes another
+    token the end-of-generation token (the weights, so the logits, stay the same)."""
     tok = build_tokenizer(vocab_size)
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
@@ -228,7 +230,7 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         w.add_name("tiny-target")
         _add_hparams(w, n_ctx=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
                      n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
-        _add_tokenizer(w, tok, chat_template)
+        _add_tokenizer(w, tok, chat_template, eos)
         # Unit-variance embeddings and strong residual branches keep the random model
         # chaotic enough that greedy decoding does not lock onto one token at once.
         w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))

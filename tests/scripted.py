@@ -6,22 +6,26 @@ native code. Cycling the error offset through 0..n (n meaning no error) forces e
 
 import random
 
+from dflash_local.drafter import Drafter
 
-class ScriptedDrafter:
-    def __init__(self, n_prompt: int, continuation: list[int], n_vocab: int, seed: int | None = None):
+
+class ScriptedDrafter(Drafter):
+    def __init__(self, n_prompt: int, continuation: list[int], n_vocab: int, seed: int | None = None,
+                 errors: bool = True):
         self.n_prompt = n_prompt
         self.continuation = continuation
         self.n_vocab = n_vocab
         self.rng = random.Random(seed) if seed is not None else None
+        self.errors = errors  # False: every draft is the continuation itself
         self.calls = 0
 
-    def __call__(self, tokens: list[int], n: int) -> list[int]:
+    def draft(self, tokens: list[int], n: int) -> list[int]:
         # tokens = prompt + everything generated so far; the next generated index is len(tokens) - n_prompt
         j = len(tokens) - self.n_prompt
         draft = list(self.continuation[j : j + n])
         draft += [0] * (n - len(draft))
         error_at = self.rng.randint(0, n) if self.rng else self.calls % (n + 1)
         self.calls += 1
-        if error_at < n:
+        if self.errors and error_at < n:
             draft[error_at] = (draft[error_at] + 1) % self.n_vocab
         return draft

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from conftest import make_prompts
+from fixtures import write_tiny_target
 from scripted import ScriptedDrafter
 
 from dflash_local import ContextOverflowError, Engine, Finished, StepStats, TextDelta, _native
@@ -86,18 +87,31 @@ def test_stop_string_split_across_tokens(tiny_engine):
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.text
 
 
-def test_finish_reasons_length_and_eos(tiny_engine):
+def test_finish_reasons_length_and_eos(tiny_engine, tiny_drafter, tmp_path):
     r = tiny_engine.complete("Hello", max_tokens=5)
     assert r.summary.finish_reason == "length" and len(r.token_ids) == 5
-    # find a prompt whose greedy continuation ends with an end-of-generation token
-    for p in make_prompts(80, seed=3):
-        r = tiny_engine.complete(p, max_tokens=300, draft=False)
-        if r.summary.finish_reason == "eos":
-            break
-    else:
-        pytest.skip("no prompt of the tiny model reached an end-of-generation token")
-    assert not any(tiny_engine.target.is_eog(t) for t in r.token_ids)
-    assert tiny_engine.complete(p, max_tokens=300).token_ids == r.token_ids
+    # the tiny target's weights with the token it generates at index k made its end-of-generation token: greedy
+    # decoding then ends there, and in the middle of a block (8 tokens per step: the first token comes with the
+    # prefill, step j makes tokens 8j+1 .. 8j+8)
+    prompt = "The quick brown fox"
+    base = tiny_engine.complete(prompt, max_tokens=40, draft=False)
+    assert base.summary.finish_reason == "length"
+    k = next(i for i in range(10, 40) if base.token_ids[i] not in base.token_ids[:i] and i % 8 not in (0, 1))
+    target = write_tiny_target(tmp_path / "eos-target.gguf", eos=base.token_ids[k])
+    e = Engine(target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
+    plain = e.complete(prompt, max_tokens=40, draft=False)
+    assert plain.summary.finish_reason == "eos" and plain.token_ids == base.token_ids[:k]
+    assert not any(e.target.is_eog(t) for t in plain.token_ids)
+    # a drafter that always drafts the continuation: the end-of-generation token is accepted among the drafts and
+    # the accepted tokens after it are dropped
+    drafter = ScriptedDrafter(len(e.prompt_tokens(prompt)), base.token_ids, e.target.n_vocab, errors=False)
+    events = list(e.generate(prompt, max_tokens=40, external_drafter=drafter))
+    done, last = events[-1], [ev for ev in events if isinstance(ev, StepStats)][-1]
+    assert done.summary.finish_reason == "eos" and done.token_ids == plain.token_ids and done.text == plain.text
+    assert last.n_accepted == e.block_size - 1 and last.n_tokens == (k - 1) % 8
+    assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == done.text
+    # and the llama.cpp drafter
+    assert e.complete(prompt, max_tokens=40).token_ids == plain.token_ids
 
 
 def test_context_overflow(tiny_target, tiny_drafter):
@@ -174,7 +188,8 @@ def test_layer_api_and_eval_callback_capture_the_same_features(tiny_target, tiny
     assert fa.shape == (len(ids), 2 * a.target.n_embd)
     assert np.abs(fa).max() > 0
     np.testing.assert_array_equal(fa, fb)
-    ra, rb = a.session.step(ta, 7, sp, 1), b.session.step(tb, 7, sp, 1)
+    da, db = a.session.draft(ta, 7), b.session.draft(tb, 7)
+    ra, rb = a.session.step(ta, da.tokens, sp, 1), b.session.step(tb, db.tokens, sp, 1)
     assert ra.draft == rb.draft and ra.tokens == rb.tokens
     np.testing.assert_array_equal(a.session.features(), b.session.features())
     for p in make_prompts(5):
@@ -186,11 +201,12 @@ def test_draft_probabilities_are_reported(tiny_engine):
     s.truncate(0)
     sp = _native.Sampling()
     t = s.prefill(tiny_engine.prompt_tokens("Hello"), sp, 0)
-    r = s.step(t, 7, sp, 1, None, True)
-    assert len(r.draft) == len(r.draft_probs) == 7
-    assert all(0 < p <= 1 for p in r.draft_probs)
+    d = s.draft(t, 7, True)
+    r = s.step(t, d.tokens, sp, 1)
+    assert len(r.draft) == len(d.tokens) == len(d.probs) == 7
+    assert all(0 < p <= 1 for p in d.probs)
     assert r.draft_ms > 0 and r.verify_ms > 0 and r.step_ms >= r.draft_ms + r.verify_ms
-    tiny_engine._cached, tiny_engine._draft_valid = [], 0  # this test drove the session by hand
+    tiny_engine.cache.clear()  # this test drove the session by hand
 
 
 def test_chat_uses_the_gguf_template(tiny_engine):

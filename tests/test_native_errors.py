@@ -41,14 +41,18 @@ def test_out_of_range_token_ids_raise_before_llama_cpp(models, prompt):
             tgt.piece(bad)
     last = s.prefill(prompt, GREEDY, 0)
     with pytest.raises(IndexError, match="outside the vocabulary"):
-        s.step(n_vocab, 3, GREEDY, 1)
+        s.draft(n_vocab, 3)
     with pytest.raises(IndexError, match="outside the vocabulary"):
-        s.step(last, 3, GREEDY, 1, [1, -5, 2])
+        s.step(n_vocab, [], GREEDY, 1)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        s.step(last, [1, -5, 2], GREEDY, 1)
     assert s.n_past == len(prompt)
     # nothing was decoded: the session goes on exactly as a fresh one
     ref = _session(tgt, dft, [1, 3])
     assert ref.prefill(prompt, GREEDY, 0) == last
-    assert s.step(last, 7, GREEDY, 1).tokens == ref.step(last, 7, GREEDY, 1).tokens
+    d, rd = s.draft(last, 7), ref.draft(last, 7)
+    assert d.tokens == rd.tokens
+    assert s.step(last, d.tokens, GREEDY, 1).tokens == ref.step(last, rd.tokens, GREEDY, 1).tokens
 
 
 def test_engine_survives_a_drafter_proposing_bad_ids(tiny_engine):
@@ -88,14 +92,14 @@ def test_llama_cpp_failure_mid_step_rolls_both_caches_back(models, prompt):
     assert ref.prefill(prompt, GREEDY, 0) == last
     plain = _session(tgt)
     plain.prefill(prompt, GREEDY, 0)
-    draft = [plain.step(last, 0, GREEDY, 1).tokens[0], 0, 0]  # its first token is right
+    draft = [plain.step(last, [], GREEDY, 1).tokens[0], 0, 0]  # its first token is right
     # the verify batch succeeds and accepts a draft token, then the feature injection fails
     s.set_capture(True)
     with pytest.raises(_native.NativeError, match="rejected the target features"):
-        s.step(last, 0, GREEDY, 1, draft)
+        s.step(last, draft, GREEDY, 1)
     assert s.n_past == len(prompt)
     s.set_capture(False)
-    r, rr = s.step(last, 0, GREEDY, 1, draft), ref.step(last, 0, GREEDY, 1, draft)
+    r, rr = s.step(last, draft, GREEDY, 1), ref.step(last, draft, GREEDY, 1)
     assert r.n_accepted >= 1
     assert r.tokens == rr.tokens and s.n_past == ref.n_past
     np.testing.assert_array_equal(s.logits(0), ref.logits(0))
@@ -110,13 +114,13 @@ def test_verify_blocks_are_clipped_to_the_context(models, prompt):
         s.prefill(ids + prompt[:3], GREEDY, 0)
     assert s.n_past == 0
     last = s.prefill(ids, GREEDY, 0)
-    r = s.step(last, 0, GREEDY, 1, [1] * 10)  # room for 2 drafts only
+    r = s.step(last, [1] * 10, GREEDY, 1)  # room for 2 drafts only
     assert len(r.draft) == 2
     while s.n_past < n_ctx:
-        r = s.step(r.tokens[-1], 0, GREEDY, 9, [1] * 10)
+        r = s.step(r.tokens[-1], [1] * 10, GREEDY, 9)
     assert s.n_past == n_ctx
     with pytest.raises(ValueError, match="context is full"):
-        s.step(r.tokens[-1], 0, GREEDY, 9)
+        s.step(r.tokens[-1], [], GREEDY, 9)
     s.truncate(0)
     assert s.prefill(ids, GREEDY, 0) == last
 

@@ -18,6 +18,7 @@ from conftest import make_prompts
 
 from dflash_local import Engine
 from dflash_local.chat import read_template, render
+from dflash_local.drafter import Drafter
 from dflash_local.server import create_app
 
 KEY = "sk-test-key"
@@ -369,19 +370,64 @@ def test_queue_bound_gives_429(tiny_target):
         s.stop()
 
 
-def test_disconnect_mid_stream_frees_the_engine(server):
-    body = {"prompt": "Once", "max_tokens": 900, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth()) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in got)
-    # the next request is served as soon as the abandoned generation reaches the end of its step
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=auth(),
-                   timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    # the abandoned generation stopped early: far fewer than 900 tokens went through the engine
-    metrics = httpx.get(server.url + "/metrics", headers=auth()).text
-    assert "dflash_cancelled_requests_total 1" in metrics
+class PausedDrafter(Drafter):
+    """The engine's own drafter, made to wait at its `at`-th draft until the test lets it go on: the engine is then
+    inside a step, at a known token count."""
+
+    def __init__(self, inner: Drafter, at: int):
+        self.inner, self.at = inner, at
+        self.calls = 0
+        self.n_tokens_at_pause = 0  # prompt + generated tokens when the engine reached the pause
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def draft(self, tokens, k):
+        self.calls += 1
+        if self.calls == self.at:
+            self.n_tokens_at_pause = len(tokens)
+            self.reached.set()
+            self.go.wait(60)
+        return self.inner.draft(tokens, k)
+
+    def context(self):
+        return self.inner.context()
+
+    def crop(self, n):
+        self.inner.crop(n)
+
+    def extend(self, session, pos0, n):
+        self.inner.extend(session, pos0, n)
+
+
+def test_disconnect_mid_stream_stops_the_generation_within_a_step(tiny_target, tiny_drafter):
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
+    paused = engine.drafter = PausedDrafter(engine.drafter, at=3)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        body = {"prompt": "Once", "max_tokens": 900, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            assert paused.reached.wait(60)  # the engine is inside its third step
+            assert next(r.iter_lines()).startswith("data: ")
+        # the client is gone; the server notices while the engine is still inside that step
+        end = time.time() + 30
+        while "dflash_cancelled_requests_total 1" not in httpx.get(s.url + "/metrics").text:
+            assert time.time() < end, "the server never noticed the disconnect"
+            time.sleep(0.02)
+        paused.go.set()
+        while engine._lock.locked():
+            assert time.time() < end, "the abandoned generation never stopped"
+            time.sleep(0.005)
+        # it finished the step it was in and drafted no other: one step's tokens (1 .. block size) past the pause
+        n_prompt = len(engine.prompt_tokens("Once"))
+        n_generated = len(engine.cache.tokens) + 1 - n_prompt  # the newest token is not in the cache yet
+        assert paused.calls == 3
+        assert 1 <= n_generated - (paused.n_tokens_at_pause - n_prompt) <= engine.block_size
+        # and the engine serves the next request
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        paused.go.set()
+        s.stop()
 
 
 def test_metrics(server, client):
@@ -456,9 +502,9 @@ def test_huge_top_k_is_a_client_error(server):
 
 
 def test_waiting_streams_get_sse_comment_keepalives(tiny_target, monkeypatch):
-    from dflash_local import server as server_module
+    from dflash_local import api_stream
 
-    monkeypatch.setattr(server_module, "KEEPALIVE_SECONDS", 0.02)
+    monkeypatch.setattr(api_stream, "KEEPALIVE_SECONDS", 0.02)
     engine = Engine(tiny_target, n_ctx=1024)
     s = ServerThread(create_app(lambda: engine, "tiny"))
     try:

@@ -22,10 +22,10 @@ def draft_logits_both(target, drafter, prompt, n):
     g.session.keep_draft_logits(True)
     ids = g.prompt_tokens(prompt)
     first = g.session.prefill(ids, sp, 0)
-    g.session.step(first, n, sp, 1, None, False)
+    g.session.draft(first, n)
     t.session.prefill(ids, sp, 0)
-    t.torch_drafter.add(t.session.features(), 0)
-    return g.session.draft_logits(), t.torch_drafter.logits(first, n).numpy()
+    t.drafter.add(t.session.features(), 0)
+    return g.session.draft_logits(), t.drafter.logits(first, n).numpy()
 
 
 @pytest.mark.parametrize("n", [1, 3, 7])
@@ -119,8 +119,8 @@ def test_torch_from_safetensors_matches_ggml_from_the_converted_gguf(tmp_path, t
         sp = _native.Sampling()
         ids = t.prompt_tokens(prompt)
         first = t.session.prefill(ids, sp, 0)
-        t.torch_drafter.add(t.session.features(), 0)
-        ref = t.torch_drafter.logits(first, 7).numpy()
+        t.drafter.add(t.session.features(), 0)
+        ref = t.drafter.logits(first, 7).numpy()
         rel = np.abs(ggml - ref).max(axis=1) / np.abs(ref).max(axis=1)
         assert rel.max() < 1e-4
     e = Engine(tiny_target, ckpt, n_ctx=512, draft_backend="torch")

@@ -139,10 +139,10 @@ def check_drafts_agree(out, target, n_samples=4, backends=("zlab", "gguf")):
         for backend in torch_backends:
             backend.crop(0)
             backend.add(s.features[:a], 0)
-            assert backend.propose(int(s.tokens[a]), B - 1) == trained
+            assert backend.draft([int(s.tokens[a])], B - 1) == trained
         sess = _native.Session(tm, dm, layers, 512, 2, _native.arch_records_layer_inputs(tm.arch), False)
         sess.prefill([int(t) for t in s.tokens[:a]], greedy, 0)
-        assert list(sess.step(int(s.tokens[a]), B - 1, greedy, 0).draft) == trained
+        assert list(sess.draft(int(s.tokens[a]), B - 1).tokens) == trained
         checked += 1
     assert checked == n_samples
 

@@ -1,0 +1,147 @@
+"""The OpenAI wire format: request bodies (unknown fields are ignored, as OpenAI clients send many), turned into
+Engine.generate's arguments, and the pieces of the response bodies."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .api_errors import APIError
+from .engine import ContextOverflowError, Engine, Finished
+from .sampling import SamplingParams
+
+
+class GenerationRequest(BaseModel):
+    """The fields chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+
+    def generate_kwargs(self, engine: Engine, prompt: dict, prompt_param: str) -> dict:
+        """Engine.generate's arguments for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a value
+        the engine would refuse raises APIError."""
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        try:
+            ids = engine.prompt_tokens(**prompt)
+            SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+        except ValueError as e:
+            raise APIError(400, str(e))
+        max_tokens = self.max_completion_tokens or self.max_tokens or engine.n_ctx - len(ids)
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return dict(prompt, max_tokens=max_tokens, stop=stop, temperature=self.temperature, top_k=self.top_k,
+                    top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict] | None = None
+    # passed to the chat template as they come, so that a conversation with tool calls renders whole
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict] | None = None  # rendered by the chat template; tool calls in the output are not parsed
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, over the server's defaults
+
+    def prompt_kwargs(self) -> dict:
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
+        kwargs = (self.chat_template_kwargs or {}) | ({"tools": self.tools} if self.tools else {})
+        return {"messages": messages, "chat_template_kwargs": kwargs}
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+
+    def prompt_kwargs(self) -> dict:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        return {"prompt": prompt}
+
+
+# -- responses ------------------------------------------------------------------------------------------------------
+
+
+def response_head(chat: bool, model: str) -> dict:
+    """The fields every response body and stream chunk of one request starts with."""
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model}
+
+
+def completion_body(head: dict, done: Finished, chat: bool) -> dict:
+    choice = {"index": 0, "finish_reason": finish_reason(done), "logprobs": None}
+    if chat:
+        head = {**head, "object": "chat.completion"}
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+    return {**head, "choices": [choice], "usage": usage_of(done), "timings": timings_of(done)}
+
+
+def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+    if chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+def finish_reason(done: Finished) -> str:
+    return "length" if done.summary.finish_reason in ("length", "context_full") else "stop"
+
+
+def usage_of(done: Finished) -> dict:
+    s = done.summary
+    return {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated, "total_tokens": s.n_prompt + s.n_generated}
+
+
+def timings_of(done: Finished) -> dict:
+    """llama-server's `timings` fields, plus the mean acceptance length."""
+    s = done.summary
+    n_eval = s.n_prompt - s.n_cached
+    return {
+        "prompt_n": n_eval,
+        "prompt_ms": s.prompt_ms,
+        "prompt_per_second": n_eval / (s.prompt_ms / 1000) if s.prompt_ms > 0 else 0.0,
+        "predicted_n": s.n_generated,
+        "predicted_ms": s.decode_ms,
+        "predicted_per_second": s.tokens_per_second,
+        "draft_n": s.n_drafted,
+        "draft_n_accepted": s.n_accepted,
+        "mean_acceptance_length": s.mean_acceptance_length,
+    }

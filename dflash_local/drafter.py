@@ -1,0 +1,57 @@
+"""Drafters: what proposes the tokens the target verifies at each step.
+
+A drafter answers draft(tokens, k): up to k tokens it expects after `tokens` (the prompt and everything generated so
+far, the newest last). A DFlash drafter reads the target's features and keeps them as its context, one entry per
+position of the target's KV cache: the engine crops that context when the cache is cut back and extends it with the
+positions each prefill chunk and each step decode.
+
+It is implemented by the llama.cpp drafter inside the native session (NativeDrafter), the PyTorch drafter
+(torch_drafter.TorchDraftBackend), any function of (tokens, k) (FunctionDrafter), and the tests' scripted drafter.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+class Drafter:
+    """The interface, with the context methods of a drafter that needs nothing from the target."""
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def context(self) -> int:
+        """How many positions of the target's cache this drafter holds the features of (a prefix reused from the
+        previous generation can be no longer)."""
+        return sys.maxsize
+
+    def crop(self, n: int) -> None:
+        """The target's cache was cut back to its first n positions."""
+
+    def extend(self, session, pos0: int, n: int) -> None:
+        """The target just decoded positions pos0 .. pos0 + n - 1: their features are rows 0 .. n - 1 of
+        session.features()."""
+
+
+class FunctionDrafter(Drafter):
+    def __init__(self, fn: Callable[[list[int], int], list[int]]):
+        self.fn = fn
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return list(self.fn(tokens, k))[:k]
+
+
+class NativeDrafter(Drafter):
+    """The llama.cpp drafter of the native session. The session feeds it the target's features itself whenever
+    feature capture is on, so its context is kept with the session's caches (prompt_cache.py), not here."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return self.session.draft(tokens[-1], k).tokens
+
+
+def as_drafter(d: Drafter | Callable[[list[int], int], list[int]]) -> Drafter:
+    return d if isinstance(d, Drafter) else FunctionDrafter(d)

@@ -1,0 +1,43 @@
+"""Which prefix of the session's KV caches a new prompt reuses.
+
+The native session keeps the target's KV cache, and its llama.cpp drafter's, from one generation to the next. A prompt
+that starts like the tokens cached (the next turn of a chat, a continuation) decodes only what follows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PromptCache:
+    tokens: list[int] = field(default_factory=list)  # the tokens in the target's KV cache, in order
+    n_captured: int = 0  # of those positions, how many were decoded with feature capture on (the session's drafter
+    # holds their features)
+
+    def reusable(self, ids: list[int], drafter=None) -> int:
+        """How many leading tokens of the prompt `ids` can stay: the prefix shared with the cache, less at least one
+        prompt token, whose logits give the first generated token; when drafting, only positions the drafters hold
+        features of."""
+        n, limit = 0, min(len(self.tokens), len(ids) - 1)
+        while n < limit and self.tokens[n] == ids[n]:
+            n += 1
+        if drafter is not None:
+            n = min(n, self.n_captured, drafter.context())
+        return n
+
+    def truncate(self, session, n: int) -> None:
+        session.truncate(n)
+        del self.tokens[n:]
+        self.n_captured = min(self.n_captured, n)
+
+    def record(self, session, tokens: list[int], captured: bool) -> None:
+        """The caches now hold `tokens` (prompt and generated) up to the session's position; `captured`: the
+        positions past the reused prefix were decoded with feature capture on."""
+        self.tokens = tokens[: session.n_past]
+        if captured:
+            self.n_captured = session.n_past
+
+    def clear(self) -> None:
+        """Forget the cached tokens (after driving the session by hand): the next generation starts afresh."""
+        self.tokens, self.n_captured = [], 0
