@@ -358,7 +358,7 @@ class Engine:
                     other_ms=max(wall_ms - r.draft_ms - torch_ms - r.verify_ms, 0.0),
                 )
                 tracker.add(stats)
-                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms)
+                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms, r.sample_ms)
                 if text:
                     yield TextDelta(text)
                 yield stats

@@ -495,6 +495,7 @@ struct StepResult {
     int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
     double draft_ms   = 0.0;               // drafter compute: noise block decode and feature injection
     double verify_ms  = 0.0;               // target compute: the verify batch
+    double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
 };
 
@@ -644,6 +645,7 @@ public:
         r.verify_ms = ms_since(t1);
 
         // accept while the target's own choice equals the draft; the first disagreement is the target's token
+        const auto t_sample = std::chrono::steady_clock::now();
         const int n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
@@ -654,6 +656,7 @@ public:
             }
         }
         r.n_accepted = a;
+        r.sample_ms  = ms_since(t_sample);
 
         const int p0 = past;
         past += a + 1;  // `last` and the accepted drafts are now in the target cache
@@ -964,6 +967,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("n_accepted", &StepResult::n_accepted)
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
+        .def_readonly("sample_ms", &StepResult::sample_ms)
         .def_readonly("step_ms", &StepResult::step_ms);
 
     py::class_<Session>(m, "Session")
