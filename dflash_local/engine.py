@@ -329,7 +329,7 @@ class Engine:
                     other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms, 0.0),
                 )
                 tracker.add(stats)
-                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms)
+                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms, r.sample_ms)
                 if text:
                     yield TextDelta(text)
                 yield stats

@@ -5,13 +5,15 @@ linearly with n (README, "Measured"), so drafting a full block when drafts are r
 decoding. The adaptive policy picks the n that maximises expected tokens per millisecond:
 
     E(n) = 1 + sum_{j=1..n} a_1 a_2 ... a_j          (a_k: chance draft k is accepted once 1..k-1 were)
-    cost(n) = T(n + 1) + D(n)                           (measured verify and draft times; D(0) = 0)
+    cost(n) = T(n + 1) + D(n) + S E(n)                  (measured verify and draft times; D(0) = 0)
 
 a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
-measured times, filled in for unmeasured sizes by a line through the measured ones. A full block that paid off (more
-tokens per millisecond than plain decoding) is followed by another; when drafting does not pay, it decodes plainly
-and drafts a full block every `probe_every` steps to keep learning, waiting twice as long after each probe that did
-not pay (up to `max_probe_every`), since on CPUs a full block costs several plain steps.
+measured times, filled in for unmeasured sizes by a line through the measured ones, S the median time to sample one
+row of logits: a step samples one row per token it yields, drafting or not, so a dear sampler shrinks what drafting
+can save. A full block that paid off (more tokens per millisecond than plain decoding) is followed by another; when
+drafting does not pay, it decodes plainly and drafts a full block every `probe_every` steps to keep learning,
+waiting twice as long after each probe that did not pay (up to `max_probe_every`), since on CPUs a full block costs
+several plain steps.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class DraftPolicy:
     tried: list[float] = field(default_factory=list)
     verify_ms: dict[int, float] = field(default_factory=dict)  # tokens verified -> median of recent steps
     draft_ms: dict[int, float] = field(default_factory=dict)  # tokens drafted -> median of recent steps
+    sample_ms: float = 0.0  # sampling one row of logits: median of recent steps
     samples: dict[tuple[str, int], deque] = field(default_factory=dict)
     steps_since_draft: int = 0
     paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
@@ -79,32 +82,39 @@ class DraftPolicy:
         plain = self._estimate(self.verify_ms, 1)
         if plain is None or self.paid_off or self.steps_since_draft >= self.interval:
             return self.max_draft  # probe, and keep going while full blocks pay off (the estimates catch up)
-        best, best_rate = 0, 1.0 / max(plain, 1e-6)
+        best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
         for n in range(1, self.max_draft + 1):
             t, d = self._estimate(self.verify_ms, n + 1), self._estimate(self.draft_ms, n)
             if t is None or d is None:
                 return self.max_draft  # a size never measured: try the full block once
-            rate = self.expected_tokens(n) / max(t + d, 1e-6)
+            e = self.expected_tokens(n)
+            rate = e / max(t + d + self.sample_ms * e, 1e-6)
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
         return best
 
-    def update(self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float) -> None:
+    def update(
+        self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0
+    ) -> None:
+        """One step's outcome; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from."""
         self.steps_since_draft = 0 if n_drafted else self.steps_since_draft + 1
-        self._record(self.verify_ms, "verify", n_drafted + 1, verify_ms)
+        self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
+        self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
         if n_drafted:
-            self._record(self.draft_ms, "draft", n_drafted, draft_ms)
+            self.draft_ms[n_drafted] = self._record("draft", n_drafted, draft_ms)
             # judged on the running medians, not on this one step's timing
-            plain, cost = self._estimate(self.verify_ms, 1), self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted]
-            self.paid_off = plain is not None and (n_accepted + 1) / max(cost, 1e-6) > MARGIN / max(plain, 1e-6)
+            plain = self._estimate(self.verify_ms, 1)
+            made = n_accepted + 1
+            cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self.sample_ms * made
+            self.paid_off = plain is not None and made / max(cost, 1e-6) > MARGIN / max(plain + self.sample_ms, 1e-6)
             self.interval = self.probe_every if self.paid_off else min(2 * self.interval, self.max_probe_every)
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):
             self.tried[k] = self.tried[k] * DECAY + 1
             self.accepted[k] = self.accepted[k] * DECAY + (k < n_accepted)
 
-    def _record(self, table: dict[int, float], kind: str, k: int, value: float) -> None:
-        """Medians of the last 15 timings per size: one slow step (another process, a page fault) moves nothing."""
+    def _record(self, kind: str, k: int, value: float) -> float:
+        """Median of the last 15 timings per size: one slow step (another process, a page fault) moves nothing."""
         recent = self.samples.setdefault((kind, k), deque(maxlen=15))
         recent.append(value)
-        table[k] = statistics.median(recent)
+        return statistics.median(recent)

@@ -296,72 +296,307 @@ static llama_token argmax(const float * logits, int n) {
     return (llama_token) (std::max_element(logits, logits + n) - logits);
 }
 
-// llama.cpp's default order: top-k, top-p, min-p on the untempered distribution, then temperature.
+using Candidate = std::pair<float, llama_token>;
+
+// Descending logits, ties broken by the lower token id: the one order every walk over the candidates uses.
+static bool ranks_before(const Candidate & a, const Candidate & b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+// The largest and smallest logit, in eight lanes: one running maximum would be one long chain of dependent compares.
+static void logit_range(const float * logits, int n, float & lo, float & hi) {
+    float mx[8], mn[8];
+    for (int j = 0; j < 8; ++j) {
+        mx[j] = mn[j] = logits[0];
+    }
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+            mx[j] = logits[i + j] > mx[j] ? logits[i + j] : mx[j];
+            mn[j] = logits[i + j] < mn[j] ? logits[i + j] : mn[j];
+        }
+    }
+    for (; i < n; ++i) {
+        mx[0] = logits[i] > mx[0] ? logits[i] : mx[0];
+        mn[0] = logits[i] < mn[0] ? logits[i] : mn[0];
+    }
+    hi = *std::max_element(mx, mx + 8);
+    lo = *std::min_element(mn, mn + 8);
+}
+
+// exp(x) for -87 <= x <= 0 in float, in a form the compiler vectorizes: x = k ln 2 + r (k rounded in the low mantissa
+// bits of a float), exp(r) by its Taylor polynomial, k added to the exponent bits. Relative error below 3.4e-6
+// (measured against the double exp of every float in [-87, 0]).
+static inline float exp_approx(float x) {
+    const float big = 0x1.8p23f;
+    const float kf  = x * 1.44269504f + big;
+    const float k   = kf - big;
+    const float r   = (x - k * 0x1.62e400p-1f) - k * 0x1.7f7d1cp-20f;  // ln 2 in two parts: k * hi is exact
+    float p = 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t kb, pb;
+    std::memcpy(&kb, &kf, sizeof(kb));
+    std::memcpy(&pb, &p, sizeof(pb));
+    pb += kb << 23;  // k is two's complement in the low bits: adds k to the exponent
+    float out;
+    std::memcpy(&out, &pb, sizeof(out));
+    return out;
+}
+
+static double temper(float logit, float lmax, float temperature) {
+    return std::exp(((double) logit - lmax) / temperature);
+}
+
+// A row's tokens in descending order, sorted only as far as they are read. The set is the tokens with logits >= floor;
+// cand holds those >= lo, cand[0, n_sorted) are the largest of them in order, and the others rank after them. Tokens
+// are extracted in bands below the maximum, `gap` wide, then twice and four times as wide, then all the rest: a
+// peaked row sorts a few hundred tokens.
+struct Ranked {
+    const float *            logits;
+    int                      n_vocab;
+    float                    lmax, lmin;
+    float                    floor;
+    std::vector<Candidate> & cand;
+    float                    gap;
+    float                    lo       = INFINITY;
+    int                      bands    = 0;
+    size_t                   n_sorted = 0;
+    bool                     complete = false;  // cand holds the whole set
+
+    // Put the set's (i+1)-th token at cand[i]; false if the set is smaller.
+    bool reach(size_t i) {
+        while (i >= n_sorted) {
+            if (n_sorted == cand.size()) {
+                if (complete) {
+                    return false;
+                }
+                extend();
+                continue;
+            }
+            const size_t m = std::max<size_t>(64, 2 * n_sorted);
+            if (4 * m < cand.size()) {
+                std::partial_sort(cand.begin() + n_sorted, cand.begin() + m, cand.end(), ranks_before);
+                n_sorted = m;
+            } else {  // a heap over most of it is slower than sorting all of it
+                std::sort(cand.begin() + n_sorted, cand.end(), ranks_before);
+                n_sorted = cand.size();
+            }
+        }
+        return true;
+    }
+
+    // Keep only the set's k highest tokens (in no order yet): the set is then complete.
+    void keep_top(size_t k) {
+        while (cand.size() < k && !complete) {
+            extend();
+        }
+        if (cand.size() > k) {
+            std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), ranks_before);
+            cand.resize(k);
+        }
+        complete = true;
+    }
+
+    // The whole set, sorted; its size.
+    size_t all() {
+        while (!complete) {
+            extend();
+        }
+        std::sort(cand.begin() + n_sorted, cand.end(), ranks_before);
+        n_sorted = cand.size();
+        return n_sorted;
+    }
+
+    void extend() {
+        const float next = bands < 3 ? std::max(lmax - gap, floor) : floor;
+        for (int i = 0; i < n_vocab; ++i) {
+            if (logits[i] >= next && logits[i] < lo) {
+                cand.push_back({logits[i], i});
+            }
+        }
+        lo       = next;
+        gap     *= 2.0f;
+        bands   += 1;
+        complete = next <= floor || next <= lmin;
+    }
+};
+
+struct SumEstimate {
+    double sum;    // of exp((l - lmax) / T) over the set
+    double bound;  // on its distance from the same sum taken in doubles with std::exp, in any order
+};
+
+// The sum over the set when Ranked holds its first band, or all of it: those tokens exactly, the rest (a few percent
+// of the mass, most of the vocabulary) in one vectorized float pass, several times cheaper than std::exp in doubles.
+static SumEstimate estimate_sum(const Ranked & r, float temperature) {
+    double head = 0.0;
+    for (const Candidate & c : r.cand) {
+        head += temper(c.first, r.lmax, temperature);
+    }
+    if (r.complete) {
+        return {head, 2.3e-16 * r.cand.size() * head};  // only the order of the terms differs
+    }
+    constexpr int C = 256;  // floats are summed in eight lanes per chunk of C, the chunks in doubles
+    const float inv = 1.0f / temperature;
+    float  x[C];
+    double tail = 0.0, tail_x = 0.0;
+    for (int c = 0; c < r.n_vocab; c += C) {
+        const int m = std::min(C, r.n_vocab - c);
+        for (int i = 0; i < m; ++i) {
+            const float l  = r.logits[c + i];
+            const float xi = std::max((l - r.lmax) * inv, -87.0f);
+            x[i] = (l >= r.floor) & (l < r.lo) ? xi : -87.0f;  // `&`, not `&&`: no branch, so it vectorizes
+        }
+        for (int i = m; i < C; ++i) {
+            x[i] = -87.0f;
+        }
+        float acc[8] = {}, acc_x[8] = {};
+        for (int i = 0; i < C; i += 8) {
+            for (int j = 0; j < 8; ++j) {
+                const float w = exp_approx(x[i + j]);
+                acc[j]   += w;
+                acc_x[j] -= w * x[i + j];
+            }
+        }
+        for (int j = 0; j < 8; ++j) {
+            tail   += acc[j];
+            tail_x += acc_x[j];
+        }
+    }
+    const double n      = r.n_vocab + C;
+    // Per tail token: exp_approx is off by 3.4e-6 relative, x by three float roundings (2^-22 |x| relative in exp),
+    // std::exp by an ulp, and a lane's float sum of C / 8 terms by 31 2^-24 = 1.9e-6 relative; a token clamped to
+    // -87 or outside the tail by 1.7e-38 absolute. A double sum of n terms is within n 2^-53 of their exact sum,
+    // whatever the order.
+    return {head + tail, 1.01 * (5.5e-6 * tail + 2.4e-7 * tail_x) + 2.3e-16 * n * (head + tail) + n * 2e-38};
+}
+
+// top-p's z as specified: over the candidates (the top-k set, or the vocabulary) in vocabulary order.
+static double exact_z(const Ranked & r, bool top_k) {
+    const Candidate last = top_k ? *std::max_element(r.cand.begin(), r.cand.end(), ranks_before) : Candidate{};
+    double z = 0.0;
+    for (int i = 0; i < r.n_vocab; ++i) {
+        if (!top_k || !ranks_before(last, {r.logits[i], i})) {
+            z += std::exp((double) r.logits[i] - r.lmax);
+        }
+    }
+    return z;
+}
+
+// top-p over the set's first n tokens (n = SIZE_MAX: all of it), with its normalizer z known to within `bound`: how
+// many tokens the cut keeps. False if z's uncertainty could move the cut.
+static bool top_p_cut(Ranked & r, size_t n, double z, double bound, float top_p, size_t & cut) {
+    double cum = 0.0, prev = 0.0;
+    size_t i = 0;
+    for (; i < n && r.reach(i); ++i) {
+        prev = cum;
+        cum += std::exp((double) r.cand[i].first - r.lmax) / z;
+        if (cum >= top_p) {
+            cut = i + 1;
+            const double slack = 2.0 * bound / z + (4.0 * i + 8.0) * 0x1p-53;  // z's error, i + 1 terms' roundings
+            return bound == 0.0 || (cum * (1.0 - slack) >= top_p && prev * (1.0 + slack) < top_p);
+        }
+    }
+    cut = i;  // never reached: the whole set
+    return bound == 0.0 || cum * (1.0 + 2.0 * bound / z + (4.0 * i + 8.0) * 0x1p-53) < top_p;
+}
+
+// The draw over the whole set with its normalizer estimated: false if the estimate's error could move u * zt across
+// a token boundary (a few rows in ten thousand, in the far tail where the boundaries crowd).
+static bool draw_estimated(Ranked & r, float temperature, double u, llama_token & token) {
+    const SumEstimate est = estimate_sum(r, temperature);
+    const double t = u * est.sum;
+    const double d = 1.01 * u * est.bound + t * 0x1p-50;  // and the rounding of both products
+    double cum = 0.0;
+    for (size_t i = 0; r.reach(i); ++i) {
+        cum += temper(r.cand[i].first, r.lmax, temperature);
+        if (cum > t + d) {
+            token = r.cand[i].second;
+            return true;
+        }
+        if (!(cum <= t - d)) {
+            return false;
+        }
+    }
+    return false;
+}
+
+// llama.cpp's default order: top-k, top-p, min-p on the untempered distribution, then temperature. In full:
+//
+//   candidates  the top_k highest logits, or all; in descending order, ties broken by the lower token id
+//   top-p       the shortest head whose sum of exp(l - lmax) / z reaches top_p, z the sum of exp(l - lmax) over the
+//               candidates in vocabulary order
+//   min-p       then only the tokens with l >= lmax + log(min_p)
+//   the draw    the first token i with u * zt < sum_{j <= i} exp((l_j - lmax) / T), zt that sum over all of them
+//
+// in doubles, every sum taken term by term in the order stated, u = uniform(seed, index). Done literally, that sorts
+// the whole vocabulary for every row (gemma: 262,144 tokens, 30 ms). This picks the same token, bit for bit, sorting
+// only as far down as its walks go (Ranked); a normalizer over the whole vocabulary (z without top-k, zt without a
+// cut) is estimated with an error bound instead (estimate_sum), and a cut or draw the bound leaves in doubt is
+// redone with the exact sum.
 static llama_token sample_row(const float * logits, int n_vocab, const Sampling & s, uint64_t index,
-                              std::vector<std::pair<float, llama_token>> & cand) {
+                              std::vector<Candidate> & cand) {
     if (s.temperature <= 0.0f) {
         return argmax(logits, n_vocab);
     }
-    cand.resize(n_vocab);
-    for (int i = 0; i < n_vocab; ++i) {
-        cand[i] = {logits[i], i};
+    float lmin, lmax;
+    logit_range(logits, n_vocab, lmin, lmax);
+    if (!std::isfinite(lmax)) {  // a broken row (NaN or infinite logits): no distribution to draw from
+        return argmax(logits, n_vocab);
     }
-    auto desc = [](const auto & a, const auto & b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
-    size_t n = cand.size();
-    if (s.top_k > 0 && (size_t) s.top_k < n) {
-        std::nth_element(cand.begin(), cand.begin() + s.top_k, cand.end(), desc);
-        n = s.top_k;
+    const bool  top_k = s.top_k > 0 && s.top_k < n_vocab;
+    const bool  top_p = s.top_p < 1.0f;
+    const float keep  = s.min_p > 0.0f ? std::min(lmax, lmax + std::log(s.min_p)) : -INFINITY;
+    cand.clear();
+    // With no top-k or top-p cut, min-p's threshold bounds the set itself, and the first band is 8 nats of the
+    // tempered distribution: most of a draw's mass.
+    const bool implicit = !top_k && !top_p;
+    Ranked r{logits, n_vocab, lmax, lmin, implicit ? keep : -INFINITY, cand, implicit ? 8.0f * std::max(1.0f, s.temperature) : 8.0f};
+
+    size_t n = SIZE_MAX;  // the set is cand[0, n), or (SIZE_MAX) all of Ranked's
+    if (top_k) {
+        r.keep_top(s.top_k);
+        n = cand.size();
     }
-    const float lmax = std::max_element(cand.begin(), cand.begin() + n, [](auto & a, auto & b) { return a.first < b.first; })->first;
-    double z = 0.0;
-    for (size_t i = 0; i < n; ++i) {
-        z += std::exp((double) cand[i].first - lmax);
-    }
-    if (s.top_p < 1.0f) {
-        // sort only as much of the head as the nucleus needs: most rows end within the first few dozen tokens
-        size_t k = std::min<size_t>(64, n);
-        for (;;) {
-            std::partial_sort(cand.begin(), cand.begin() + k, cand.begin() + n, desc);
-            double cum = 0.0;
-            size_t cut = k;
-            for (size_t i = 0; i < k; ++i) {
-                cum += std::exp((double) cand[i].first - lmax) / z;
-                if (cum >= s.top_p) {
-                    cut = i + 1;
-                    break;
-                }
-            }
-            if (cut < k || cum >= s.top_p || k == n) {
-                n = cut;
-                break;
-            }
-            k = std::min(n, k * 8);
+    if (top_p) {
+        r.reach(0);
+        const SumEstimate est = estimate_sum(r, 1.0f);
+        size_t cut = 0;
+        if (!top_p_cut(r, n, est.sum, est.bound, s.top_p, cut)) {
+            top_p_cut(r, n, exact_z(r, top_k), 0.0, s.top_p, cut);
         }
+        n = cut;
     }
-    if (s.min_p > 0.0f) {
-        // min-p is relative to the most likely candidate, which is still in the set
-        const float keep = lmax + std::log(s.min_p);
-        size_t m = 0;
-        for (size_t i = 0; i < n; ++i) {
-            if (cand[i].first >= keep) {
-                cand[m++] = cand[i];
-            }
+    if (s.min_p > 0.0f && n != SIZE_MAX) {
+        // min-p drops a tail of the sorted order; cand[0, n) is the set, sorted or not
+        n = std::max<size_t>(1, std::count_if(cand.begin(), cand.begin() + n, [&](const Candidate & c) { return c.first >= keep; }));
+    }
+
+    const double u = uniform(s.seed, index);
+    llama_token  token;
+    if (n == SIZE_MAX) {
+        if (r.reach(0) && !r.complete && draw_estimated(r, s.temperature, u, token)) {
+            return token;
         }
-        n = m;
+        n = r.all();
     }
     if (n == 0) {
-        fail("no token left to sample (NaN logits?)");  // otherwise the most likely candidate passes every filter
+        fail("no token left to sample");
     }
-    std::sort(cand.begin(), cand.begin() + n, desc);  // a fixed order makes the draw reproducible
+    r.reach(n - 1);
     double zt = 0.0;
     for (size_t i = 0; i < n; ++i) {
-        zt += std::exp(((double) cand[i].first - lmax) / s.temperature);
+        zt += temper(cand[i].first, lmax, s.temperature);
     }
-    const double u = uniform(s.seed, index) * zt;
+    const double target = u * zt;
     double cum = 0.0;
     for (size_t i = 0; i < n; ++i) {
-        cum += std::exp(((double) cand[i].first - lmax) / s.temperature);
-        if (u < cum) {
+        cum += temper(cand[i].first, lmax, s.temperature);
+        if (target < cum) {
             return cand[i].second;
         }
     }
@@ -382,6 +617,7 @@ struct StepResult {
     int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
     double draft_ms   = 0.0;               // drafter compute: feature injection
     double verify_ms  = 0.0;               // target compute: the verify batch
+    double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
 };
 
@@ -751,6 +987,7 @@ private:
         r.verify_ms = ms_since(t1);
 
         // accept while the target's own choice equals the draft; the first disagreement is the target's token
+        const auto t_sample = std::chrono::steady_clock::now();
         const int n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
@@ -761,6 +998,7 @@ private:
             }
         }
         r.n_accepted = a;
+        r.sample_ms  = ms_since(t_sample);
 
         const int p0 = past;
         if (a + 1 < (int) block.size()) {
@@ -947,10 +1185,10 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("sample", [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const Sampling & s,
                        uint64_t index) {
-        if (logits.size() == 0 || logits.size() > INT32_MAX) {
-            throw std::invalid_argument("logits must hold between 1 and 2^31 - 1 values");
+        if (logits.ndim() != 1 || logits.size() == 0 || logits.size() > INT32_MAX) {
+            throw std::invalid_argument("sample needs one row of between 1 and 2^31 - 1 logits");
         }
-        std::vector<std::pair<float, llama_token>> cand;
+        std::vector<Candidate> cand;
         return sample_row(logits.data(), (int) logits.size(), s, index, cand);
     }, "Sample one token from a logits row exactly as the native step does.");
 
@@ -990,6 +1228,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("n_accepted", &StepResult::n_accepted)
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
+        .def_readonly("sample_ms", &StepResult::sample_ms)
         .def_readonly("step_ms", &StepResult::step_ms);
 
     py::class_<Session>(m, "Session")

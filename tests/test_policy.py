@@ -26,6 +26,17 @@ def test_choice_follows_costs_and_acceptance():
     assert trained(0.05, CPU, DRAFT).expected_tokens(3) < trained(0.9, CPU, DRAFT).expected_tokens(3)
 
 
+def test_sampling_cost_counts_once_per_token_made():
+    p = DraftPolicy(7)
+    p.update(3, 2, CPU[4], 2.0, sample_ms=6.0)  # three rows sampled for the three tokens the step made
+    assert p.sample_ms == 2.0
+    p = trained(0.8, CPU, DRAFT)
+    assert p.choose() > 0
+    # a sampler as dear as the old full sort of a big vocabulary on a slow machine: drafting saves too little
+    p.sample_ms = 100.0
+    assert p.choose() == 0
+
+
 def test_probes_unknown_sizes_and_after_long_plain_runs():
     p = DraftPolicy(7)
     assert p.choose() == 7  # nothing measured yet
@@ -75,8 +86,8 @@ class SteadyCosts(DraftPolicy):
     """The policy with gemma-3-270m-like step times in place of this machine's measurements, which another process
     can distort at any moment: the engine wiring is what this tests, the cost logic is tested above."""
 
-    def _record(self, table, kind, k, value):
-        table[k] = CPU[k] if kind == "verify" else 3.0
+    def _record(self, kind, k, value):
+        return CPU[k] if kind == "verify" else 0.2 if kind == "sample" else 3.0
 
 
 def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_target):
