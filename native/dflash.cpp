@@ -546,6 +546,9 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
     float lmin, lmax;
     logit_range(logits, n_vocab, lmin, lmax);
     if (!std::isfinite(lmax)) {  // a broken row (NaN or infinite logits): no distribution to draw from
+        if (std::all_of(logits, logits + n_vocab, [](float x) { return std::isnan(x); })) {
+            fail("no token left to sample (NaN logits)");
+        }
         return argmax(logits, n_vocab);
     }
     const bool  top_k = s.top_k > 0 && s.top_k < n_vocab;
@@ -1186,7 +1189,7 @@ PYBIND11_MODULE(_native, m) {
     m.def("sample", [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const Sampling & s,
                        uint64_t index) {
         if (logits.ndim() != 1 || logits.size() == 0 || logits.size() > INT32_MAX) {
-            throw std::invalid_argument("sample needs one row of between 1 and 2^31 - 1 logits");
+            throw std::invalid_argument("sample needs one non-empty row of at most 2^31 - 1 logits");
         }
         std::vector<Candidate> cand;
         return sample_row(logits.data(), (int) logits.size(), s, index, cand);
