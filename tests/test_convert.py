@@ -109,6 +109,22 @@ def compare(probe, reference, blocks):
     return max(errs), same / n
 
 
+def clear_top1(probe, reference, blocks):
+    """Positions whose reference top two differ by more than 3x the row's RMS error (a closer race is a coin toss
+    for any rounding): their share of all positions, and the share of them where the probe has the same top-1."""
+    clear = agree = n = 0
+    for feats, toks in blocks:
+        got, want = probe.logits(feats, toks), reference.logits(feats, toks)
+        keep = np.isfinite(want)
+        top2 = np.sort(np.where(keep, want, -np.inf), axis=1)[:, -2:]
+        rms = np.sqrt(np.mean(np.where(keep, got - want, 0.0) ** 2, axis=1))
+        rows = top2[:, 1] - top2[:, 0] > 3 * rms
+        clear += int(rows.sum())
+        agree += int((got.argmax(1) == want.argmax(1))[rows].sum())
+        n += len(toks)
+    return clear / n, agree / max(clear, 1)
+
+
 def no_leftovers(folder: Path, allowed=()):
     left = sorted(p.name for p in folder.iterdir() if p.name not in allowed)
     assert left == [], left
@@ -191,9 +207,13 @@ def test_quantized_top1_matches_reference(converted, target, reference, target_i
         blocks = random_blocks(80, target_info.n_vocab, target_info.kv["tokenizer.ggml.mask_token_id"],
                                len(LAYER_IDS) * H, 8, seed=1)
         err, same = compare(probe, reference, blocks)
+        clear, agree = clear_top1(probe, reference, blocks)
     finally:
         probe.close()
-    assert same >= 0.99, same  # 640 positions
+    # 640 positions of a random-weight drafter: near ties are common, and the share of those a type's rounding flips
+    # varies with the CPU's kernels (q8_0: 0.989-1.0 here); every position with a clear winner must agree
+    assert same >= 0.98, same
+    assert clear >= 0.9 and agree == 1.0, (clear, agree)
     assert err < max_err, err
 
 
