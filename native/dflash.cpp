@@ -324,10 +324,17 @@ static void logit_range(const float * logits, int n, float & lo, float & hi) {
     lo = *std::min_element(mn, mn + 8);
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    define DFLASH_AVX2 1  // the vocabulary-wide float pass is also compiled for AVX2 + FMA, picked at run time
+#    define ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#    define ALWAYS_INLINE inline
+#endif
+
 // exp(x) for -87 <= x <= 0 in float, in a form the compiler vectorizes: x = k ln 2 + r (k rounded in the low mantissa
-// bits of a float), exp(r) by its Taylor polynomial, k added to the exponent bits. Relative error below 3.4e-6
-// (measured against the double exp of every float in [-87, 0]).
-static inline float exp_approx(float x) {
+// bits of a float), exp(r) by its Taylor polynomial, k added to the exponent bits. Relative error below 3.4e-6, with
+// or without FMA (measured against the double exp of every float in [-87, 0]).
+static ALWAYS_INLINE float exp_approx(float x) {
     const float big = 0x1.8p23f;
     const float kf  = x * 1.44269504f + big;
     const float k   = kf - big;
@@ -353,8 +360,8 @@ static double temper(float logit, float lmax, float temperature) {
 
 // A row's tokens in descending order, sorted only as far as they are read. The set is the tokens with logits >= floor;
 // cand holds those >= lo, cand[0, n_sorted) are the largest of them in order, and the others rank after them. Tokens
-// are extracted in bands below the maximum, `gap` wide, then twice and four times as wide, then all the rest: a
-// peaked row sorts a few hundred tokens.
+// are extracted in bands reaching gap, 2 gap and 4 gap below the maximum, then all the rest: a peaked row sorts a
+// few hundred tokens.
 struct Ranked {
     const float *            logits;
     int                      n_vocab;
@@ -430,6 +437,43 @@ struct SumEstimate {
     double bound;  // on its distance from the same sum taken in doubles with std::exp, in any order
 };
 
+constexpr int TAIL_CHUNK = 256;  // floats are summed in eight lanes per chunk, the chunks in doubles
+
+// The sum of exp_approx((l - lmax) * inv) over the tokens with floor <= l < lo, in vectorized loops.
+static ALWAYS_INLINE double tail_sum(const float * logits, int n, float lmax, float inv, float floor, float lo) {
+    constexpr int C = TAIL_CHUNK;
+    float  x[C];
+    double sum = 0.0;
+    for (int c = 0; c < n; c += C) {
+        const int m = std::min(C, n - c);
+        for (int i = 0; i < m; ++i) {
+            const float l  = logits[c + i];
+            const float xi = std::max((l - lmax) * inv, -87.0f);
+            x[i] = (l >= floor) & (l < lo) ? xi : -87.0f;  // `&`, not `&&`: no branch, so it vectorizes
+        }
+        for (int i = m; i < C; ++i) {
+            x[i] = -87.0f;
+        }
+        float acc[8] = {};
+        for (int i = 0; i < C; i += 8) {
+            for (int j = 0; j < 8; ++j) {
+                acc[j] += exp_approx(x[i + j]);
+            }
+        }
+        for (int j = 0; j < 8; ++j) {
+            sum += acc[j];
+        }
+    }
+    return sum;
+}
+
+#ifdef DFLASH_AVX2
+__attribute__((target("avx2,fma"))) static double tail_sum_avx2(const float * logits, int n, float lmax, float inv,
+                                                                 float floor, float lo) {
+    return tail_sum(logits, n, lmax, inv, floor, lo);  // twice the lanes: half the time
+}
+#endif
+
 // The sum over the set when Ranked holds its first band, or all of it: those tokens exactly, the rest (a few percent
 // of the mass, most of the vocabulary) in one vectorized float pass, several times cheaper than std::exp in doubles.
 static SumEstimate estimate_sum(const Ranked & r, float temperature) {
@@ -440,39 +484,37 @@ static SumEstimate estimate_sum(const Ranked & r, float temperature) {
     if (r.complete) {
         return {head, 2.3e-16 * r.cand.size() * head};  // only the order of the terms differs
     }
-    constexpr int C = 256;  // floats are summed in eight lanes per chunk of C, the chunks in doubles
     const float inv = 1.0f / temperature;
-    float  x[C];
-    double tail = 0.0, tail_x = 0.0;
-    for (int c = 0; c < r.n_vocab; c += C) {
-        const int m = std::min(C, r.n_vocab - c);
-        for (int i = 0; i < m; ++i) {
-            const float l  = r.logits[c + i];
-            const float xi = std::max((l - r.lmax) * inv, -87.0f);
-            x[i] = (l >= r.floor) & (l < r.lo) ? xi : -87.0f;  // `&`, not `&&`: no branch, so it vectorizes
-        }
-        for (int i = m; i < C; ++i) {
-            x[i] = -87.0f;
-        }
-        float acc[8] = {}, acc_x[8] = {};
-        for (int i = 0; i < C; i += 8) {
-            for (int j = 0; j < 8; ++j) {
-                const float w = exp_approx(x[i + j]);
-                acc[j]   += w;
-                acc_x[j] -= w * x[i + j];
+#ifdef DFLASH_AVX2
+    static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const double tail = avx2 ? tail_sum_avx2(r.logits, r.n_vocab, r.lmax, inv, r.floor, r.lo)
+                             : tail_sum(r.logits, r.n_vocab, r.lmax, inv, r.floor, r.lo);
+#else
+    const double tail = tail_sum(r.logits, r.n_vocab, r.lmax, inv, r.floor, r.lo);
+#endif
+    const double n     = r.n_vocab + TAIL_CHUNK;
+    const double x_max = std::min(87.0f, (r.lmax - r.lmin) * inv) + 1.0;
+    // Per tail token: exp_approx is off by 3.4e-6 relative, x by three float roundings (2^-22 |x| <= 2^-22 x_max
+    // relative in exp), std::exp by an ulp, and a lane's float sum of 32 terms by 31 2^-24 = 1.9e-6 relative; a token
+    // clamped to -87 or outside the tail by 1.7e-38 absolute. A double sum of n terms is within n 2^-53 of their exact
+    // sum, whatever the order.
+    return {head + tail, 1.01 * (5.5e-6 + 2.4e-7 * x_max) * tail + 2.3e-16 * n * (head + tail) + n * 2e-38};
+}
+
+// The same sum with every term as the definition computes it, so only their order differs; several times the cost.
+static SumEstimate sum_in_doubles(const Ranked & r, float temperature) {
+    double sum = 0.0;
+    for (const Candidate & c : r.cand) {
+        sum += temper(c.first, r.lmax, temperature);
+    }
+    if (!r.complete) {  // and the tokens of the set not extracted yet
+        for (int i = 0; i < r.n_vocab; ++i) {
+            if (r.logits[i] >= r.floor && r.logits[i] < r.lo) {
+                sum += temper(r.logits[i], r.lmax, temperature);
             }
         }
-        for (int j = 0; j < 8; ++j) {
-            tail   += acc[j];
-            tail_x += acc_x[j];
-        }
     }
-    const double n      = r.n_vocab + C;
-    // Per tail token: exp_approx is off by 3.4e-6 relative, x by three float roundings (2^-22 |x| relative in exp),
-    // std::exp by an ulp, and a lane's float sum of C / 8 terms by 31 2^-24 = 1.9e-6 relative; a token clamped to
-    // -87 or outside the tail by 1.7e-38 absolute. A double sum of n terms is within n 2^-53 of their exact sum,
-    // whatever the order.
-    return {head + tail, 1.01 * (5.5e-6 * tail + 2.4e-7 * tail_x) + 2.3e-16 * n * (head + tail) + n * 2e-38};
+    return {sum, 2.3e-16 * r.n_vocab * sum};
 }
 
 // top-p's z as specified: over the candidates (the top-k set, or the vocabulary) in vocabulary order.
@@ -505,10 +547,9 @@ static bool top_p_cut(Ranked & r, size_t n, double z, double bound, float top_p,
     return bound == 0.0 || cum * (1.0 + 2.0 * bound / z + (4.0 * i + 8.0) * 0x1p-53) < top_p;
 }
 
-// The draw over the whole set with its normalizer estimated: false if the estimate's error could move u * zt across
-// a token boundary (a few rows in ten thousand, in the far tail where the boundaries crowd).
-static bool draw_estimated(Ranked & r, float temperature, double u, llama_token & token) {
-    const SumEstimate est = estimate_sum(r, temperature);
+// The draw over the whole set with an estimate of its normalizer: false if the estimate's error could move u * zt
+// across a token boundary (in the far tail, where the boundaries crowd).
+static bool draw_estimated(Ranked & r, float temperature, double u, const SumEstimate & est, llama_token & token) {
     const double t = u * est.sum;
     const double d = 1.01 * u * est.bound + t * 0x1p-50;  // and the rounding of both products
     double cum = 0.0;
@@ -582,7 +623,9 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
     const double u = uniform(s.seed, index);
     llama_token  token;
     if (n == SIZE_MAX) {
-        if (r.reach(0) && !r.complete && draw_estimated(r, s.temperature, u, token)) {
+        // the normalizer in floats; if that leaves the draw in doubt, in doubles; if still, exactly (a full sort)
+        if (r.reach(0) && !r.complete && (draw_estimated(r, s.temperature, u, estimate_sum(r, s.temperature), token) ||
+                                          draw_estimated(r, s.temperature, u, sum_in_doubles(r, s.temperature), token))) {
             return token;
         }
         n = r.all();
