@@ -358,10 +358,10 @@ static double temper(float logit, float lmax, float temperature) {
     return std::exp(((double) logit - lmax) / temperature);
 }
 
-// A row's tokens in descending order, sorted only as far as they are read. The set is the tokens with logits >= floor;
-// cand holds those >= lo, cand[0, n_sorted) are the largest of them in order, and the others rank after them. Tokens
-// are extracted in bands reaching gap, 2 gap and 4 gap below the maximum, then all the rest: a peaked row sorts a
-// few hundred tokens.
+// A row's tokens in descending order, sorted only as far as they are read. The set is the tokens with logits at or
+// above floor; cand holds those >= lo, cand[0, n_sorted) are the largest of them in order, and the others rank after
+// them. Tokens are extracted in bands reaching gap, 2 gap and 4 gap below the maximum, then all the rest: a peaked
+// row sorts a few hundred tokens.
 struct Ranked {
     const float *            logits;
     int                      n_vocab;
@@ -495,9 +495,9 @@ static SumEstimate estimate_sum(const Ranked & r, float temperature) {
     const double n     = r.n_vocab + TAIL_CHUNK;
     const double x_max = std::min(87.0f, (r.lmax - r.lmin) * inv) + 1.0;
     // Per tail token: exp_approx is off by 3.4e-6 relative, x by three float roundings (2^-22 |x| <= 2^-22 x_max
-    // relative in exp), std::exp by an ulp, and a lane's float sum of 32 terms by 31 2^-24 = 1.9e-6 relative; a token
-    // clamped to -87 or outside the tail by 1.7e-38 absolute. A double sum of n terms is within n 2^-53 of their exact
-    // sum, whatever the order.
+    // relative in exp), std::exp by an ulp, and a lane's float sum of 32 terms by 31 2^-24 = 1.9e-6 relative; a
+    // token clamped to -87 or outside the tail by 1.7e-38 absolute. A double sum of n terms is within n 2^-53 of
+    // their exact sum, whatever the order.
     return {head + tail, 1.01 * (5.5e-6 + 2.4e-7 * x_max) * tail + 2.3e-16 * n * (head + tail) + n * 2e-38};
 }
 
@@ -575,10 +575,10 @@ static bool draw_estimated(Ranked & r, float temperature, double u, const SumEst
 //   the draw    the first token i with u * zt < sum_{j <= i} exp((l_j - lmax) / T), zt that sum over all of them
 //
 // in doubles, every sum taken term by term in the order stated, u = uniform(seed, index). Done literally, that sorts
-// the whole vocabulary for every row (gemma: 262,144 tokens, 30 ms). This picks the same token, bit for bit, sorting
+// the whole vocabulary for every row (gemma: 262,144 tokens, 26 ms). This picks the same token, bit for bit, sorting
 // only as far down as its walks go (Ranked); a normalizer over the whole vocabulary (z without top-k, zt without a
 // cut) is estimated with an error bound instead (estimate_sum), and a cut or draw the bound leaves in doubt is
-// redone with the exact sum.
+// redone with a better one, then exactly.
 static llama_token sample_row(const float * logits, int n_vocab, const Sampling & s, uint64_t index,
                               std::vector<Candidate> & cand) {
     if (s.temperature <= 0.0f) {
@@ -598,8 +598,9 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
     cand.clear();
     // With no top-k or top-p cut, min-p's threshold bounds the set itself, and the first band is 8 nats of the
     // tempered distribution: most of a draw's mass.
-    const bool implicit = !top_k && !top_p;
-    Ranked r{logits, n_vocab, lmax, lmin, implicit ? keep : -INFINITY, cand, implicit ? 8.0f * std::max(1.0f, s.temperature) : 8.0f};
+    const bool  implicit = !top_k && !top_p;
+    const float gap      = implicit ? 8.0f * std::max(1.0f, s.temperature) : 8.0f;
+    Ranked r{logits, n_vocab, lmax, lmin, implicit ? keep : -INFINITY, cand, gap};
 
     size_t n = SIZE_MAX;  // the set is cand[0, n), or (SIZE_MAX) all of Ranked's
     if (top_k) {
@@ -617,16 +618,21 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
     }
     if (s.min_p > 0.0f && n != SIZE_MAX) {
         // min-p drops a tail of the sorted order; cand[0, n) is the set, sorted or not
-        n = std::max<size_t>(1, std::count_if(cand.begin(), cand.begin() + n, [&](const Candidate & c) { return c.first >= keep; }));
+        const auto kept = std::count_if(cand.begin(), cand.begin() + n, [&](const Candidate & c) {
+            return c.first >= keep;
+        });
+        n = std::max<size_t>(1, kept);
     }
 
     const double u = uniform(s.seed, index);
     llama_token  token;
     if (n == SIZE_MAX) {
         // the normalizer in floats; if that leaves the draw in doubt, in doubles; if still, exactly (a full sort)
-        if (r.reach(0) && !r.complete && (draw_estimated(r, s.temperature, u, estimate_sum(r, s.temperature), token) ||
-                                          draw_estimated(r, s.temperature, u, sum_in_doubles(r, s.temperature), token))) {
-            return token;
+        if (r.reach(0) && !r.complete) {
+            if (draw_estimated(r, s.temperature, u, estimate_sum(r, s.temperature), token) ||
+                draw_estimated(r, s.temperature, u, sum_in_doubles(r, s.temperature), token)) {
+                return token;
+            }
         }
         n = r.all();
     }
