@@ -372,7 +372,7 @@ def test_serve_takes_chat_template_options(tiny_target, tmp_path):
     template.write_text("{{ greeting }}, {{ messages[-1].content }} ->")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "--port", str(port),
-         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}'],
+         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}', "-n", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -391,6 +391,15 @@ def test_serve_takes_chat_template_options(tiny_target, tmp_path):
             r = httpx.post(url + "/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(text, special=True))
+        # -n caps a request without max_tokens
+        body = {"messages": [{"role": "user", "content": "world"}], "temperature": 0}
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        served = Engine(tiny_target, n_ctx=256, chat_template=template.read_text(),
+                        chat_template_kwargs={"greeting": "Hello"})
+        want = served.complete(messages=body["messages"], max_tokens=3)
+        assert len(want.token_ids) == 3
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        assert httpx.get(url + "/props").json()["default_generation_settings"]["params"]["n_predict"] == 3
     finally:
         proc.terminate()
         proc.wait(10)
