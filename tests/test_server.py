@@ -453,6 +453,8 @@ def test_health_is_503_while_loading(tiny_target):
         assert r.status_code == 503 and r.json()["status"] == "loading"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["meta"] is None  # as llama-server while loading
+        assert httpx.get(s.url + "/props").status_code == 503
         gate.set()
         s.wait_healthy()
     finally:
@@ -604,6 +606,14 @@ def test_serve_command_on_gemma(gemma_target, gemma_drafter):
                                       max_tokens=12, temperature=0)
         assert r.usage.completion_tokens <= 12 and r.model_extra["timings"]["draft_n"] > 0
         assert c.models.list().data[0].model_extra["meta"]["target"]["arch"] == "gemma3"
+        # gemma wants a BOS: /tokenize adds it only with add_special, as llama.cpp's own tokenizer does
+        import llama_cpp
+
+        vocab = llama_cpp.Llama(str(gemma_target), vocab_only=True, verbose=False)
+        for add in (False, True):
+            r = httpx.post(url + "/tokenize", json={"content": "Say hello.", "add_special": add})
+            assert r.json()["tokens"] == vocab.tokenize(b"Say hello.", add_bos=add, special=True)
+        assert r.json()["tokens"][0] == vocab.token_bos()
     finally:
         proc.terminate()
         proc.wait(10)
