@@ -28,10 +28,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":  # its loc is a character position, not a parameter
+            where = err.get("loc", ())[-1]
+            reason = (err.get("ctx") or {}).get("error", "")
+            return error_response(400, f"the request body is not valid JSON: {reason} at character {where}")
         loc = [str(p) for p in err.get("loc", []) if p != "body"]
-        msg = err.get("msg", "invalid request")
-        if err.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
+        msg = err.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix for our checks
         return error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .api_errors import APIError
 from .engine import ContextOverflowError, Engine, Finished
@@ -32,9 +32,10 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
 
-    def generate_kwargs(self, engine: Engine, prompt: dict, prompt_param: str) -> dict:
+    def generate_kwargs(self, engine: Engine, prompt: dict, prompt_param: str, n_predict: int = -1) -> dict:
         """Engine.generate's arguments for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a value
-        the engine would refuse raises APIError."""
+        the engine would refuse raises APIError. n_predict caps a request that sets no max_tokens (-1: the context's
+        end), as llama-server's -n."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         try:
@@ -44,7 +45,8 @@ class GenerationRequest(BaseModel):
             raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
         except ValueError as e:
             raise APIError(400, str(e))
-        max_tokens = self.max_completion_tokens or self.max_tokens or engine.n_ctx - len(ids)
+        max_tokens = self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0 else
+                                                                       engine.n_ctx - len(ids))
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return dict(prompt, max_tokens=max_tokens, stop=stop, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, min_p=self.min_p, seed=self.seed)
@@ -53,12 +55,18 @@ class GenerationRequest(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[dict] | None = None
     # passed to the chat template as they come, so that a conversation with tool calls renders whole
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_answers_a_call(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs the 'tool_call_id' of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -75,6 +83,15 @@ class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict] | None = None  # rendered by the chat template; tool calls in the output are not parsed
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, over the server's defaults
+    response_format: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, v):
+        # a JSON mode or schema the output would not follow is refused, never silently dropped
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"type {v.get('type')!r} is not supported yet; only 'text'")
+        return v
 
     def prompt_kwargs(self) -> dict:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]

@@ -53,6 +53,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _n_predict(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 and n != -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token count (1 or more), or -1 for no limit")
+    return n
+
+
 def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-file", dest="chat_template", type=_template_file, metavar="FILE",
                    help="Jinja chat template to use instead of the GGUF's")
@@ -276,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"), help="require this key (Bearer or x-api-key)")
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
+    s.add_argument("-n", "--n-predict", "--predict", type=_n_predict, metavar="N",
+                   help="tokens to generate for a request that sets no max_tokens (default 2048; -1: until the "
+                   "context is full)")
     _chat_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -20,19 +20,26 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .api_errors import APIError, install_error_handlers
 from .api_models import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
+from .api_props import model_card, props
 from .api_stream import sse_events
+from .api_tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .engine import Engine, Finished
 from .metrics import Metrics
 from .runner import Job, QueueFullError, Runner
+
+# the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
+# does not run on to the end of the context (README, "Server")
+N_PREDICT = 2048
 
 
 class State:
     """What the app holds (the engine once loaded, or the loading error), and the checks every request goes through."""
 
-    def __init__(self, alias: str, api_key: str | None, max_queue: int):
+    def __init__(self, alias: str, api_key: str | None, max_queue: int, n_predict: int):
         self.alias = alias
         self.api_key = api_key
         self.max_queue = max_queue
+        self.n_predict = n_predict
         self.engine: Engine | None = None
         self.runner: Runner | None = None
         self.error: str | None = None
@@ -58,19 +65,23 @@ class State:
             self.runner = Runner(self.engine, self.max_queue)
         return self.engine
 
+    def check_model(self, name: str | None) -> None:
+        """A model name must be the alias or the target's file name."""
+        names = {self.alias} | ({self.engine.target_info.path.name} if self.engine is not None else set())
+        if name is not None and name not in names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.alias}'",
+                           param="model", code="model_not_found")
+
     def admit(self, request: Request, body: GenerationRequest) -> Engine:
         """A generation request's checks before its prompt is looked at: key, model name, engine loaded."""
         self.check_key(request)
-        names = {self.alias} | ({self.engine.target_info.path.name} if self.engine is not None else set())
-        if body.model is not None and body.model not in names:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.alias}'",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         return self.ready()
 
 
 def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | None = None,
-               max_queue: int = 32) -> FastAPI:
-    state = State(alias, api_key, max_queue)
+               max_queue: int = 32, n_predict: int = N_PREDICT) -> FastAPI:
+    state = State(alias, api_key, max_queue, n_predict)
 
     async def lifespan(app):
         def load():
@@ -104,11 +115,36 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.get("/v1/models")
     async def models(request: Request):
         state.check_key(request)
-        info = {"object": "model", "created": state.created, "owned_by": "dflash-local"}
-        data = [{"id": state.alias, **info}]
-        if state.engine is not None:
-            data[0]["meta"] = state.engine.model_info()
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(state.alias, state.created, state.engine)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        state.check_key(request)
+        state.check_model(name)
+        return model_card(state.alias, state.created, state.engine)
+
+    @app.get("/props")
+    async def get_props(request: Request):
+        state.check_key(request)
+        return props(state.ready(), state.alias, state.n_predict)
+
+    @app.post("/apply-template")
+    async def apply_template(body: ChatRequest, request: Request):
+        state.check_key(request)
+        try:
+            return {"prompt": state.ready().chat_prompt(**body.prompt_kwargs())}
+        except ValueError as e:  # the template refused the messages or the variables
+            raise APIError(400, str(e))
+
+    @app.post("/tokenize")
+    async def post_tokenize(body: TokenizeRequest, request: Request):
+        state.check_key(request)
+        return tokenize(state.ready(), body)
+
+    @app.post("/detokenize")
+    async def post_detokenize(body: DetokenizeRequest, request: Request):
+        state.check_key(request)
+        return detokenize(state.ready(), body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -125,7 +161,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
 
 async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request, prompt: dict, chat: bool):
     """Queue the generation; stream its chunks, or wait for it and answer with the whole completion."""
-    kwargs = body.generate_kwargs(engine, prompt, "messages" if chat else "prompt")
+    kwargs = body.generate_kwargs(engine, prompt, "messages" if chat else "prompt", state.n_predict)
     try:
         job = state.runner.submit(**kwargs)
     except QueueFullError as e:
@@ -167,7 +203,8 @@ async def watch_disconnect(request: Request, job: Job) -> None:
 def serve(args, load_engine: Callable[[], Engine], alias: str) -> int:
     import uvicorn
 
-    app = create_app(load_engine, alias, args.api_key, args.max_queue)
+    n_predict = N_PREDICT if args.n_predict is None else args.n_predict
+    app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     server = uvicorn.Server(config)
     state = app.state.dflash

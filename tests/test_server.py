@@ -81,9 +81,117 @@ def auth(key=KEY):
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_models_lists_the_alias(client):
+@pytest.fixture(scope="module")
+def tiny_vocab(tiny_target):
+    """llama-cpp-python's own view of the tiny target: an independent tokenizer and parameter count."""
+    import llama_cpp
+
+    return llama_cpp.Llama(str(tiny_target), vocab_only=True, verbose=False)
+
+
+def test_models_list_and_retrieve(client, server, tiny_target):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.retrieve(tiny_target.name).id == "tiny"  # the file name also selects it
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    meta = models.data[0].model_extra["meta"]
+    target = server.engine.target
+    assert meta["n_ctx"] == 1024 and meta["n_ctx_train"] == 2048 and meta["n_vocab"] == target.n_vocab
+    assert meta["n_embd"] == target.n_embd and meta["size"] == target.size
+    assert meta["target"]["file"] == tiny_target.name and meta["drafter"]["file"] == "tiny-drafter.gguf"
+    r = httpx.get(server.url + "/v1/models", headers=auth())
+    assert str(tiny_target.parent) not in r.text and '"path"' not in r.text  # no file system paths
+
+
+def test_model_meta_counts_parameters_as_llama_cpp(server, tiny_target):
+    import llama_cpp
+
+    model = llama_cpp.Llama(str(tiny_target), n_ctx=64, verbose=False)
+    want = llama_cpp.llama_model_n_params(model._model.model)
+    meta = httpx.get(server.url + "/v1/models/tiny", headers=auth()).json()["meta"]
+    assert meta["n_params"] == want > 0
+
+
+def test_props(server, tiny_target):
+    r = httpx.get(server.url + "/props", headers=auth())
+    assert r.status_code == 200
+    p = r.json()
+    settings = p["default_generation_settings"]
+    assert settings["n_ctx"] == 1024
+    assert settings["params"]["n_predict"] == settings["params"]["max_tokens"] == 2048
+    assert settings["params"]["temperature"] == 1.0 and settings["params"]["top_k"] == 0
+    assert settings["params"]["speculative.n_max"] == 7  # block size 8: the anchor and 7 drafted tokens
+    assert p["model_path"] == tiny_target.name and p["model_alias"] == "tiny" and p["total_slots"] == 1
+    assert p["chat_template"] == server.engine.chat_template and "<|im_start|>" in p["chat_template"]
+    assert p["eos_token"] == "<|endoftext|>" and p["modalities"]["vision"] is False
+    assert "llama-cpp-python 0.3.36" in p["build_info"]
+    assert p["speculative"] == {"drafter": "tiny-drafter.gguf", "draft_backend": "ggml", "block_size": 8,
+                                "draft_policy": "fixed", "bit_exact_verify": server.engine.bit_exact}
+    assert str(tiny_target.parent) not in r.text
+    assert httpx.get(server.url + "/props").status_code == 401
+
+
+def test_tokenize_and_detokenize(server, tiny_vocab):
+    def post(path, body):
+        r = httpx.post(server.url + path, json=body, headers=auth())
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = "Hello world <|im_start|>user"
+    want = tiny_vocab.tokenize(text.encode(), add_bos=False, special=True)
+    assert post("/tokenize", {"content": text})["tokens"] == want
+    assert post("/tokenize", {"content": text, "parse_special": False})["tokens"] == tiny_vocab.tokenize(
+        text.encode(), add_bos=False, special=False)
+    assert post("/detokenize", {"tokens": want})["content"] == text
+    pieces = post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == want and "".join(p["piece"] for p in pieces) == text
+    # a character split over byte tokens: each piece is its bytes, as llama-server gives them
+    pieces = post("/tokenize", {"content": "\u00e9", "with_pieces": True})["tokens"]
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+                    for p in pieces) == "\u00e9".encode()
+    # text and token ids mixed
+    assert post("/tokenize", {"content": ["Hello", want[1], " x"]})["tokens"] == (
+        tiny_vocab.tokenize(b"Hello", add_bos=False, special=True) + [want[1]]
+        + tiny_vocab.tokenize(b" x", add_bos=False, special=True))
+    for path, body in [("/detokenize", {"tokens": [1, 10**12]}), ("/detokenize", {"tokens": [-1]}),
+                       ("/tokenize", {"content": ["a", 10**6]}), ("/detokenize", {"tokens": "abc"})]:
+        r = httpx.post(server.url + path, json=body, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("tokens", "content"), r.text
+
+
+def test_apply_template(server, qwen3_server):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    r = httpx.post(server.url + "/apply-template", json={"messages": msgs}, headers=auth())
+    eot = "<|endoftext|>"  # the tiny GGUF's BOS and EOS
+    assert r.json() == {"prompt": render(msgs, server.engine.chat_template, "qwen3", eot, eot)}
+    assert r.json()["prompt"].endswith("<|im_start|>assistant\n")
+    # tools and chat_template_kwargs render as in a chat request
+    body = {"messages": msgs, "tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": True}}
+    r = httpx.post(qwen3_server.url + "/apply-template", json=body)
+    want = render(msgs, qwen3_server.template, "qwen3", variables={"tools": [WEATHER], "enable_thinking": True})
+    assert r.json()["prompt"] == want and '"name": "get_weather"' in want
+    r = httpx.post(qwen3_server.url + "/apply-template", json={"messages": msgs})
+    assert r.json()["prompt"].endswith("<think>\n\n</think>\n\n")  # the server's enable_thinking=false
+    r = httpx.post(qwen3_server.url + "/apply-template", json={"messages": [{"role": "developer", "content": "x"}]})
+    assert r.status_code == 400 and "Unexpected message role: developer" in r.json()["error"]["message"]
+
+
+def test_n_predict_caps_requests_without_max_tokens(tiny_target, tiny_drafter, reference):
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    s = ServerThread(create_app(lambda: engine, "tiny", n_predict=9))
+    try:
+        s.wait_healthy()
+        want = reference.complete("Once upon", max_tokens=9)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once upon", "temperature": 0}).json()
+        assert r["choices"][0]["text"] == want.text and r["usage"]["completion_tokens"] == len(want.token_ids)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once upon", "temperature": 0, "max_tokens": 12})
+        assert r.json()["usage"]["completion_tokens"] == len(reference.complete("Once upon", max_tokens=12).token_ids)
+        assert httpx.get(s.url + "/props").json()["default_generation_settings"]["params"]["n_predict"] == 9
+    finally:
+        s.stop()
 
 
 def test_chat_completion_with_the_openai_client(client, reference):
@@ -172,6 +280,10 @@ def test_sse_framing(server):
         ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, 404, "model"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
          "messages"),
+        ({"messages": [{"role": "narrator", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "21"}]}, 400, "messages.1"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
     ],
 )
 def test_bad_requests_get_openai_error_bodies(server, body, status, param):
@@ -185,7 +297,8 @@ def test_bad_requests_get_openai_error_bodies(server, body, status, param):
 def test_malformed_json_and_unknown_fields(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', headers=auth() | {
         "content-type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["message"].startswith("the request body is not valid JSON") and err["param"] is None
     body = {"messages": [{"role": "user", "content": "hi", "name": "x"}], "max_tokens": 2, "frequency_penalty": 0,
             "logit_bias": {}, "user": "u", "whatever": [1, 2]}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth()).status_code == 200
@@ -240,10 +353,10 @@ def test_chat_template_kwargs_and_tools_reach_the_template(qwen3_server, referen
 
 
 def test_template_errors_are_400_with_the_templates_message(qwen3_server, server):
-    body = {"messages": [{"role": "narrator", "content": "x"}], "max_tokens": 2}
+    body = {"messages": [{"role": "developer", "content": "x"}], "max_tokens": 2}  # an OpenAI role it lacks
     r = httpx.post(qwen3_server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400
-    assert r.json()["error"]["message"] == "the chat template refused the messages: Unexpected message role: narrator"
+    assert r.json()["error"]["message"] == "the chat template refused the messages: Unexpected message role: developer"
     body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}
     r = httpx.post(qwen3_server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400 and "cannot replace 'messages'" in r.json()["error"]["message"]
@@ -259,7 +372,7 @@ def test_serve_takes_chat_template_options(tiny_target, tmp_path):
     template.write_text("{{ greeting }}, {{ messages[-1].content }} ->")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "--port", str(port),
-         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}'],
+         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}', "-n", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -278,6 +391,15 @@ def test_serve_takes_chat_template_options(tiny_target, tmp_path):
             r = httpx.post(url + "/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(text, special=True))
+        # -n caps a request without max_tokens
+        body = {"messages": [{"role": "user", "content": "world"}], "temperature": 0}
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        served = Engine(tiny_target, n_ctx=256, chat_template=template.read_text(),
+                        chat_template_kwargs={"greeting": "Hello"})
+        want = served.complete(messages=body["messages"], max_tokens=3)
+        assert len(want.token_ids) == 3
+        assert r.json()["choices"][0]["message"]["content"] == want.text
+        assert httpx.get(url + "/props").json()["default_generation_settings"]["params"]["n_predict"] == 3
     finally:
         proc.terminate()
         proc.wait(10)
@@ -331,6 +453,8 @@ def test_health_is_503_while_loading(tiny_target):
         assert r.status_code == 503 and r.json()["status"] == "loading"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["meta"] is None  # as llama-server while loading
+        assert httpx.get(s.url + "/props").status_code == 503
         gate.set()
         s.wait_healthy()
     finally:
@@ -482,6 +606,14 @@ def test_serve_command_on_gemma(gemma_target, gemma_drafter):
                                       max_tokens=12, temperature=0)
         assert r.usage.completion_tokens <= 12 and r.model_extra["timings"]["draft_n"] > 0
         assert c.models.list().data[0].model_extra["meta"]["target"]["arch"] == "gemma3"
+        # gemma wants a BOS: /tokenize adds it only with add_special, as llama.cpp's own tokenizer does
+        import llama_cpp
+
+        vocab = llama_cpp.Llama(str(gemma_target), vocab_only=True, verbose=False)
+        for add in (False, True):
+            r = httpx.post(url + "/tokenize", json={"content": "Say hello.", "add_special": add})
+            assert r.json()["tokens"] == vocab.tokenize(b"Say hello.", add_bos=add, special=True)
+        assert r.json()["tokens"][0] == vocab.token_bos()
     finally:
         proc.terminate()
         proc.wait(10)

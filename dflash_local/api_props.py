@@ -1,0 +1,74 @@
+"""What the server says about itself, in llama-server's shapes: the model card of /v1/models (with `meta`) and /props.
+
+Clients see file names, never the server's absolute paths.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib.metadata import version
+from pathlib import Path
+
+from .api_models import GenerationRequest
+from .engine import Engine
+
+
+def n_params(engine: Engine) -> int:
+    # what llama_model_n_params counts: the elements of every tensor in the file
+    return sum(math.prod(t.shape) for t in engine.target_info.tensors.values())
+
+
+def model_meta(engine: Engine) -> dict:
+    """llama-server's `meta` fields, then what engine.model_info() tells about the pair (paths cut to file names)."""
+    info = engine.model_info()
+    for part in (info["target"], info["drafter"]):
+        if part:
+            part["file"] = Path(part.pop("path")).name
+    t = engine.target
+    return {"n_vocab": t.n_vocab, "n_ctx": engine.n_ctx, "n_ctx_train": t.n_ctx_train, "n_embd": t.n_embd,
+            "n_params": n_params(engine), "size": t.size, "ftype": info["target"]["quant"], **info}
+
+
+def model_card(alias: str, created: int, engine: Engine | None) -> dict:
+    """One entry of /v1/models; `meta` is null while the model loads, as in llama-server."""
+    return {"id": alias, "object": "model", "created": created, "owned_by": "dflash-local",
+            "meta": model_meta(engine) if engine is not None else None}
+
+
+def _token_text(engine: Engine, token: int) -> str:
+    return engine.target.piece(token, True).decode(errors="replace") if token >= 0 else ""
+
+
+def props(engine: Engine, alias: str, n_predict: int) -> dict:
+    """GET /props: the generation defaults of a request that sets nothing, the model, its template, the drafting."""
+    defaults = {name: GenerationRequest.model_fields[name].default
+                for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
+    drafting = engine.has_drafter
+    params = {"n_predict": n_predict, "max_tokens": n_predict, **defaults, "stop": [], "stream": False,
+              "speculative.types": "dflash" if drafting else "none",
+              "speculative.n_max": engine.block_size - 1 if drafting else 0}
+    info = model_meta(engine)
+    return {
+        "default_generation_settings": {"n_ctx": engine.n_ctx, "params": params},
+        "total_slots": 1,  # one generation at a time; the others queue
+        "model_alias": alias,
+        "model_path": info["target"]["file"],
+        "model_ftype": info["ftype"],
+        "modalities": {"vision": False, "audio": False, "video": False},
+        "endpoint_slots": False,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "chat_template": engine.chat_template or "",
+        "chat_template_kwargs": engine.chat_template_kwargs,
+        "bos_token": _token_text(engine, engine.target.bos),
+        "eos_token": _token_text(engine, engine.target.eos),
+        "build_info": f"dflash-local {version('dflash-local')} (llama-cpp-python {version('llama-cpp-python')})",
+        "is_sleeping": False,
+        "speculative": {
+            "drafter": info["drafter"]["file"] if info["drafter"] else None,
+            "draft_backend": info.get("draft_backend"),
+            "block_size": engine.block_size,
+            "draft_policy": engine.draft_policy,
+            "bit_exact_verify": engine.bit_exact,
+        },
+    }
