@@ -209,39 +209,42 @@ class _Extend(argparse.Action):
 
 def add_placement_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("placement and memory (llama.cpp's flags)")
-    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0,
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0, metavar="N",
                    help="target layers on the GPU (-1: all; default 0)")
-    g.add_argument("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", type=int,
+    g.add_argument("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", type=int, metavar="N",
                    help="drafter layers on the GPU (default: all when the target uses the GPU, else none)")
     g.add_argument("-sm", "--split-mode", choices=SPLIT_MODES, default="layer",
                    help="how to split the target across GPUs (default layer)")
     g.add_argument("-ts", "--tensor-split", type=_split, metavar="N0,N1,...",
                    help="proportion of the target for each GPU, e.g. 3,1")
-    g.add_argument("-mg", "--main-gpu", type=int, default=0, help="the GPU for the model with -sm none (default 0)")
+    g.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I", help="the GPU for the model with -sm none (default 0)")
     g.add_argument("-ot", "--override-tensor", type=_overrides, action=_Extend, metavar="PATTERN=TYPE,...",
                    help="put the tensors whose names match a regex in a buffer type (e.g. CPU), as llama.cpp")
     g.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
                    help="keep the expert weights of the first N layers on the CPU")
     g.add_argument("--no-mmap", action="store_true", help="read the weights into memory instead of mapping the file")
     g.add_argument("--mlock", action="store_true", help="keep the weights in RAM (no swapping)")
-    g.add_argument("-t", "--threads", type=int, help="CPU threads for generation (default: all cores)")
-    g.add_argument("-tb", "--threads-batch", type=int, help="CPU threads for prompts and verify batches (default: -t)")
-    g.add_argument("-b", "--batch-size", type=int, default=512,
+    g.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads for generation (default: all cores)")
+    g.add_argument("-tb", "--threads-batch", type=int, metavar="N", help="CPU threads for prompts and verify batches (default: -t)")
+    g.add_argument("-b", "--batch-size", type=int, default=512, metavar="N",
                    help="most tokens in one target decode (default 512): prompt chunks, and verify blocks (the last "
                         "token plus the drafts), so a smaller -b than the drafter's block shortens drafts; the "
                         "drafter takes as many, in one ubatch (its attention is non-causal)")
-    g.add_argument("-ub", "--ubatch-size", type=int, default=512,
+    g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch of the target (default 512, at most -b)")
-    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=list(FLASH_ATTN),
+    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=list(FLASH_ATTN), metavar="on|off|auto",
                    help="flash attention (default: off with the target on the CPU, where it rounds a verify batch "
                         "differently from plain decoding; auto with -ngl). Needed for a quantized V cache")
-    g.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", help="target K cache type (f16)")
-    g.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16",
-                   help="target V cache type (f16; quantized types need -fa)")
-    g.add_argument("-ctkd", "--cache-type-k-draft", choices=CACHE_TYPES,
-                   help="drafter K cache type (default: f16 with the drafter on a GPU; f32 on the CPU, where drafts "
-                        "then equal the float32 reference implementation's bit for bit)")
-    g.add_argument("-ctvd", "--cache-type-v-draft", choices=CACHE_TYPES, help="drafter V cache type (as -ctkd)")
+    types = ", ".join(CACHE_TYPES)
+    g.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"target K cache type: {types} (default f16)")
+    g.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help="target V cache type (default f16; quantized types need -fa on or auto)")
+    g.add_argument("-ctkd", "--cache-type-k-draft", choices=CACHE_TYPES, metavar="TYPE",
+                   help="drafter K cache type (default: f16 with the drafter on a GPU; f32 on the CPU, where the "
+                        "drafter's logits then agree with the float32 reference implementation to 3e-7)")
+    g.add_argument("-ctvd", "--cache-type-v-draft", choices=CACHE_TYPES, metavar="TYPE",
+                   help="drafter V cache type (default as -ctkd)")
     g.add_argument("--repack", action="store_true", help="repacked CPU weights for the target (faster; rounds a "
                    "verify batch differently from plain decoding)")
 
