@@ -69,7 +69,7 @@ class Placement:
         return self.cache_type_k_draft or default, self.cache_type_v_draft or default
 
     def all_overrides(self) -> list[tuple[str, str]]:
-        """-ot's overrides, then --n-cpu-moe's (llama.cpp appends them in the order the flags come; first match wins)."""
+        """-ot's overrides, then --n-cpu-moe's: llama.cpp takes a tensor's first matching pattern."""
         return list(self.overrides) + [(CPU_MOE_PATTERN.format(i), "CPU") for i in range(self.n_cpu_moe)]
 
     # -- checks ---------------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class Placement:
                 raise PlacementError(f"-ot {pattern}={buft}: unknown buffer type (this build has {', '.join(bufts)})")
         if self.n_cpu_moe < 0:
             raise PlacementError(f"--n-cpu-moe {self.n_cpu_moe}: give a number of layers >= 0")
-        if self.n_threads is not None and self.n_threads < 1 or self.n_threads_batch is not None and self.n_threads_batch < 1:
+        if any(n is not None and n < 1 for n in (self.n_threads, self.n_threads_batch)):
             raise PlacementError("-t and -tb need at least 1 thread")
         if self.n_batch < 1 or not 1 <= self.n_ubatch <= self.n_batch:
             raise PlacementError(f"need 1 <= -ub <= -b, got -b {self.n_batch} -ub {self.n_ubatch}")
@@ -188,7 +188,8 @@ def _overrides(text: str) -> list[tuple[str, str]]:
     for item in text.split(","):
         pattern, eq, buft = item.partition("=")
         if not eq or not pattern or not buft:
-            raise argparse.ArgumentTypeError(f"{item!r}: give PATTERN=BUFFER_TYPE, e.g. 'blk\\.[0-9]+\\.ffn_.*_exps=CPU'")
+            raise argparse.ArgumentTypeError(f"{item!r}: give PATTERN=BUFFER_TYPE, e.g. "
+                                             "'blk\\.[0-9]+\\.ffn_.*_exps=CPU'")
         out.append((pattern, buft))
     return out
 
@@ -217,7 +218,8 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                    help="how to split the target across GPUs (default layer)")
     g.add_argument("-ts", "--tensor-split", type=_split, metavar="N0,N1,...",
                    help="proportion of the target for each GPU, e.g. 3,1")
-    g.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I", help="the GPU for the model with -sm none (default 0)")
+    g.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I",
+                   help="the GPU for the model with -sm none (default 0)")
     g.add_argument("-ot", "--override-tensor", type=_overrides, action=_Extend, metavar="PATTERN=TYPE,...",
                    help="put the tensors whose names match a regex in a buffer type (e.g. CPU), as llama.cpp")
     g.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
@@ -225,7 +227,8 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmap", action="store_true", help="read the weights into memory instead of mapping the file")
     g.add_argument("--mlock", action="store_true", help="keep the weights in RAM (no swapping)")
     g.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads for generation (default: all cores)")
-    g.add_argument("-tb", "--threads-batch", type=int, metavar="N", help="CPU threads for prompts and verify batches (default: -t)")
+    g.add_argument("-tb", "--threads-batch", type=int, metavar="N",
+                   help="CPU threads for prompts and verify batches (default: -t)")
     g.add_argument("-b", "--batch-size", type=int, default=512, metavar="N",
                    help="most tokens in one target decode (default 512): prompt chunks, and verify blocks (the last "
                         "token plus the drafts), so a smaller -b than the drafter's block shortens drafts; the "

@@ -1488,9 +1488,9 @@ PYBIND11_MODULE(_native, m) {
                          bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
                          int n_ubatch, const std::string & type_k, const std::string & type_v,
                          const std::string & type_k_draft, const std::string & type_v_draft) {
-                 ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch > 0 ? n_threads_batch : n_threads,
-                                  flash_attn, cache_type(type_k), cache_type(type_v), cache_type(type_k_draft),
-                                  cache_type(type_v_draft)};
+                 const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
+                 ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
+                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft)};
                  return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
