@@ -11,13 +11,15 @@ from pathlib import Path
 
 from .extras import MissingExtraError
 from .gguf_file import GGUFError
+from .placement import add_placement_args, from_args
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m Q4_K_M from its PyPI package)")
     p.add_argument("-d", "--draft", help="DFlash drafter GGUF for the target")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline), drafter not loaded")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context size in tokens (default 4096; 0: the model's trained context)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's trained size)")
     p.add_argument("--draft-backend", choices=["ggml", "torch"], default="ggml",
                    help="run the drafter in llama.cpp (ggml, default) or in PyTorch (torch)")
@@ -25,13 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="device of the PyTorch drafter (with --draft-backend torch)")
     p.add_argument("--draft-policy", choices=["auto", "fixed"], default="auto",
                    help="auto (default): draft as many tokens as a cost model expects to be fastest; fixed: full blocks")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target/drafter layers on the GPU (-1: all)")
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("--flash-attn", action="store_true", help="flash attention for the target (faster on GPUs; "
-                   "on CPUs it rounds verify batches differently, so greedy output may differ from plain decoding)")
-    p.add_argument("--repack", action="store_true", help="repacked CPU weights for the target (same caveat)")
     p.add_argument("--capture", choices=["auto", "layer_api", "callback"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    add_placement_args(p)
 
 
 def _template_file(path: str) -> str:
@@ -89,15 +87,12 @@ def _load_engine(args):
         model,
         draft,
         n_ctx=args.ctx_size,
-        n_gpu_layers=args.n_gpu_layers,
-        n_threads=args.threads,
+        placement=from_args(args),
         block_size=args.block_size,
         capture=args.capture,
         draft_backend=args.draft_backend,
         draft_device=args.draft_device,
         draft_policy=args.draft_policy,
-        flash_attn=args.flash_attn,
-        repack=args.repack,
         verbose=args.verbose,
         chat_template=getattr(args, "chat_template", None),  # bench has no chat options
         chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
@@ -243,14 +238,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="target layers on the GPU for data generation and validation (-1: all)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out validations (0: none)")
     p.add_argument("--eval-prompts", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--outtype", default="q8_0", help="type of the exported GGUF (default q8_0)")
+    add_placement_args(p)  # for data generation and validation
 
 
 def cmd_train(args) -> int:

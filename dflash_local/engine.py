@@ -15,15 +15,13 @@ from pathlib import Path
 from . import _native, chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .gguf_file import read_gguf
+from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .stats import StatsTracker, StepStats, Summary
 from .textstream import Output
 from .validate import DraftSpec, check_pair, check_target
-
-
-PREFILL_CHUNK = 512  # the native batch size
 
 
 class ContextOverflowError(ValueError):
@@ -75,6 +73,7 @@ class Engine:
         draft_policy: str = "auto",
         flash_attn: bool = False,
         repack: bool = False,
+        placement: Placement | None = None,
         verbose: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
@@ -87,9 +86,12 @@ class Engine:
         draft_policy: 'auto' drafts, at each step, the number of tokens a cost model expects to be fastest
         (policy.py); 'fixed' always drafts a full block.
 
-        flash_attn and repack select faster CPU kernels for the target that round differently for a verify batch
-        than for a single token, so greedy output may then differ from plain decoding where two tokens nearly tie.
-        Both are off by default: verification is then bit-exact on CPUs.
+        placement: where weights and caches go, KV types, batch sizes, threads (placement.py); without it,
+        n_gpu_layers, n_threads, flash_attn and repack make one. n_ctx 0 is the model's trained context.
+
+        flash attention and repack select faster CPU kernels for the target that round differently for a verify
+        batch than for a single token, so greedy output may then differ from plain decoding where two tokens nearly
+        tie. Both are off by default on CPUs: verification is then bit-exact.
 
         chat_template replaces the GGUF's chat template; chat_template_kwargs are extra variables for it (such as
         enable_thinking), under those of each request.
@@ -112,19 +114,25 @@ class Engine:
             self.draft_info = read_gguf(draft)
             self.spec = check_pair(self.target_info, self.draft_info)
 
+        if placement is None:
+            placement = Placement(n_gpu_layers=n_gpu_layers, n_threads=n_threads, repack=repack,
+                                  flash_attn="on" if flash_attn else "off")
+        placement.check(drafting=bool(draft) and draft_backend == "ggml")
+        placement.check_head_sizes(self.target_info, self.draft_info if draft_backend == "ggml" else None)
+        self.placement = placement
         n_ctx_train = self.target_info.get("context_length") or n_ctx
-        if n_ctx < 8:
-            raise ValueError(f"n_ctx must be at least 8, got {n_ctx}")
-        self.n_ctx = min(n_ctx, n_ctx_train)
-        self.n_threads = n_threads or os.cpu_count() or 1
+        if n_ctx != 0 and n_ctx < 8:
+            raise ValueError(f"n_ctx must be 0 (the model's trained context) or at least 8, got {n_ctx}")
+        self.n_ctx = min(n_ctx, n_ctx_train) if n_ctx else 0  # 0: llama.cpp's, read back below
+        self.n_threads = placement.threads
         self.draft_path = draft
         self.chat_template = chat_template or self.target_info.kv.get("tokenizer.chat_template")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.target = _native.Model(str(model), n_gpu_layers, repack, verbose)
+        self.target = _native.Model(str(model), verbose=verbose, **placement.model_kwargs())
         self.draft_model = None  # the llama.cpp drafter's weights
         self.drafter: Drafter | None = None  # what drafts when generate() is not given a drafter
         if draft and draft_backend == "ggml":
-            self.draft_model = _native.Model(str(draft), n_gpu_layers, True, verbose)  # drafts need no bit-exactness
+            self.draft_model = _native.Model(str(draft), verbose=verbose, **placement.model_kwargs(draft=True))
         elif draft:
             from .torch_drafter import TorchDraftBackend, pick_device
 
@@ -136,17 +144,19 @@ class Engine:
         arch = self.target_info.arch
         use_layer_api = capture == "layer_api" or (capture == "auto" and _native.arch_records_layer_inputs(arch))
         self.session = _native.Session(
-            self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api, flash_attn, verbose
+            self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api,
+            FLASH_ATTN[placement.fa], verbose, **placement.session_kwargs()
         )
+        self.n_ctx = self.n_ctx or self.session.n_ctx
         if self.draft_model is not None:
             self.drafter = NativeDrafter(self.session)
 
         # Greedy verification reproduces plain decoding bit for bit only when every kernel rounds a verify batch row
         # exactly as it rounds a single token (see README, "Lossless")
         self.bit_exact = (
-            not flash_attn
-            and not repack
-            and n_gpu_layers == 0
+            placement.fa == "off"
+            and not placement.repack
+            and placement.n_gpu_layers == 0
             and _native.cpu_matmul_batch_invariant()
         )
         trained = self.spec.block_size if self.spec else 1
@@ -190,6 +200,8 @@ class Engine:
             "feature_capture": "layer_api" if self.session.uses_layer_api else "callback",
             "bit_exact_verify": self.bit_exact,
             "gpu_offload": _native.supports_gpu_offload(),
+            "placement": self.placement_info(),
+            "memory": {"target": self._memory("target"), "drafter": self._memory("drafter")},
             "drafter": None,
         }
         if self.draft_model is not None:
@@ -208,6 +220,25 @@ class Engine:
                 "trained_block_size": self.spec.block_size,
             }
         return info
+
+    def placement_info(self) -> dict:
+        """What is where: the settings llama.cpp got and the GPU layers they come to."""
+        info = self.placement.describe()
+        gpus = _native.gpu_devices()
+        n_slots = self.target.n_layer + 1  # llama.cpp counts the output layer as one more (-ngl n_layer + 1: all)
+        ngl = self.target.n_gpu_layers
+        info["gpu_devices"] = gpus
+        info["target_layers_on_gpu"] = (min(n_slots, ngl) if ngl >= 0 else n_slots) if gpus else 0
+        info["target_layer_slots"] = n_slots
+        info["n_expert"] = self.target.n_expert
+        info["load_mode"] = self.target.load_mode
+        return info
+
+    def _memory(self, which: str) -> list[dict]:
+        """llama.cpp's memory breakdown: bytes per buffer type (CPU, CPU_Mapped, CUDA0, ...) of weights, KV cache and
+        compute buffers."""
+        return [{"buffer_type": name, "model": m, "context": c, "compute": k}
+                for name, m, c, k in self.session.memory(which)]
 
     # -- prompts --------------------------------------------------------------------------------------------------
 
@@ -363,8 +394,9 @@ class Engine:
     def _prefill(self, ids: list[int], n_cached: int, sampling, drafter: Drafter | None) -> int:
         """Decode the prompt after the cached prefix; return the first generated token."""
         s = self.session
-        for off in range(n_cached, len(ids), PREFILL_CHUNK):  # features() holds the last chunk's rows only
-            chunk = ids[off : off + PREFILL_CHUNK]
+        chunk_size = s.n_batch  # one native decode: features() holds the last decode's rows only
+        for off in range(n_cached, len(ids), chunk_size):
+            chunk = ids[off : off + chunk_size]
             first = s.prefill(chunk, sampling, 0)
             if drafter:
                 drafter.extend(s, off, len(chunk))

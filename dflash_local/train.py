@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ from dflash_local.convert.init_drafter import default_target_layers, init_drafte
 
 from .atomic import atomic_output
 from .gguf_file import read_gguf
+from .placement import Placement, from_args
 from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
 from .traindata import Sample, load_sample, make_data
 
@@ -66,8 +66,7 @@ class TrainConfig:
     warmup: int = 100
     device: str = "cpu"
     seed: int = 0
-    threads: int | None = None
-    n_gpu_layers: int = 0
+    placement: dict = field(default_factory=dict)  # placement.Placement's fields (threads, -ngl, ...): JSON-able
     save_every: int = 100
     eval_every: int = 500
     eval_prompts: int = 4
@@ -196,8 +195,7 @@ class Trainer:
             self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
-                          cfg.threads or os.cpu_count(), progress=progress,
-                          n_gpu_layers=cfg.n_gpu_layers)
+                          progress=progress, placement=Placement(**cfg.placement))
         return [load_sample(p) for p in paths]
 
     # -- model ------------------------------------------------------------------------------------------------------
@@ -277,7 +275,7 @@ class Trainer:
 
         cfg = self.cfg
         path = self.export(model, scale, self.out / "eval" / "drafter.gguf", "f32")
-        engine = Engine(cfg.target, path, n_ctx=2048, n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers,
+        engine = Engine(cfg.target, path, n_ctx=2048, placement=Placement(**cfg.placement),
                         draft_policy="fixed")
         drafted = accepted = steps = 0
         for p in prompts:
@@ -294,7 +292,7 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        torch.set_num_threads(cfg.threads or os.cpu_count())
+        torch.set_num_threads(Placement(**cfg.placement).threads)
         self.device = torch.device(pick_device(cfg.device))
         prompts = self.prompts()
         held_out = prompts[cfg.samples : cfg.samples + cfg.eval_prompts]
@@ -382,11 +380,13 @@ class Trainer:
 def run_train(args) -> int:
     from .models import default_target
 
+    placement = from_args(args)
+    placement.check(drafting=True)
     cfg = TrainConfig(
         target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, steps=args.steps, batch=args.batch, anchors=args.anchors,
-        lr=args.lr, device=args.device, seed=args.seed, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+        lr=args.lr, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         outtype=args.outtype,

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _native
 from .atomic import atomic_output
-from .engine import PREFILL_CHUNK
+from .placement import FLASH_ATTN, Placement
 from .sampling import SamplingParams
 
 @dataclass
@@ -39,8 +39,8 @@ def generate_sample(session, model, prompt: str, max_new: int, n_prompt_max: int
     session.truncate(0)
     feats = []
     last = None
-    for off in range(0, len(ids), PREFILL_CHUNK):  # features() holds the last decode's rows only
-        last = session.prefill(ids[off : off + PREFILL_CHUNK], greedy, 0)
+    for off in range(0, len(ids), session.n_batch):  # features() holds the last decode's rows only
+        last = session.prefill(ids[off : off + session.n_batch], greedy, 0)
         feats.append(session.features())
     tokens = list(ids)
     while not model.is_eog(last):  # the end-of-generation token is never drafted: it is not kept
@@ -63,8 +63,8 @@ def load_sample(path: Path) -> Sample:
 
 
 def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
-              n_threads: int, n_ctx: int = 1024, n_prompt_max: int = 256, progress=None,
-              n_gpu_layers: int = 0) -> list[Path]:
+              n_ctx: int = 1024, n_prompt_max: int = 256, progress=None,
+              placement: Placement | None = None) -> list[Path]:
     """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,9 +90,10 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
                 raise ValueError(f"{path} was made from another prompt than the corpus's prompt {i} (another corpus, "
                                  f"seed or set of installed packages); use another --out or delete it")
     if todo:
-        model = _native.Model(str(target_path), n_gpu_layers, False)
-        session = _native.Session(model, None, layers, n_ctx, n_threads,
-                                  _native.arch_records_layer_inputs(model.arch), False)
+        pl = placement or Placement()
+        model = _native.Model(str(target_path), **pl.model_kwargs())
+        session = _native.Session(model, None, layers, n_ctx, pl.threads, _native.arch_records_layer_inputs(model.arch),
+                                  FLASH_ATTN[pl.fa], **pl.session_kwargs())
         for i in todo:
             s = generate_sample(session, model, prompts[i], max_new, n_prompt_max)
             save_sample(sample_path(folder, i), s)

@@ -18,14 +18,27 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <regex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // Declared in llama.cpp's src/llama-ext.h (C++ linkage, exported by libllama, absent from the public headers).
 LLAMA_API void    llama_set_embeddings_layer_inp(llama_context * ctx, uint32_t lid, bool value);
 LLAMA_API float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid);
+LLAMA_API int32_t llama_model_n_expert(const llama_model * model);
+LLAMA_API int32_t llama_model_n_devices(const llama_model * model);
+// llama.cpp's per-buffer-type memory report (same llama-ext.h; the struct's layout must match llama.cpp's)
+struct llama_memory_breakdown_data {
+    size_t model   = 0;  // weights
+    size_t context = 0;  // KV cache
+    size_t compute = 0;  // compute buffers
+};
+LLAMA_API std::map<ggml_backend_buffer_type_t, llama_memory_breakdown_data> llama_get_memory_breakdown(
+    const llama_context * ctx);
 
 namespace py = pybind11;
 
@@ -179,20 +192,53 @@ static bool arch_records_layer_inputs(const std::string & arch) {
 // ---------------------------------------------------------------------------------------------------------------
 // Model: a loaded GGUF plus its vocabulary.
 
+// The buffer types -ot can name, as llama.cpp's common/arg.cpp lists them: each device's default buffer type.
+static std::map<std::string, ggml_backend_buffer_type_t> buffer_types() {
+    std::map<std::string, ggml_backend_buffer_type_t> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_get(i));
+        if (buft) {
+            out[ggml_backend_buft_name(buft)] = buft;
+        }
+    }
+    return out;
+}
+
+// Where a model's weights go: the llama_model_params fields a user sets (llama.cpp's -ngl, -sm, -mg, -ts, -ot,
+// --load-mode).
+struct Placement {
+    int n_gpu_layers = 0;
+    int split_mode = LLAMA_SPLIT_MODE_LAYER;
+    int main_gpu = 0;
+    std::vector<float> tensor_split;                              // empty: llama.cpp's default split
+    int load_mode = LLAMA_LOAD_MODE_AUTO;
+    std::vector<std::pair<std::string, std::string>> overrides;  // tensor name regex -> buffer type name
+    bool repack = false;
+};
+
 struct Model {
     llama_model * model = nullptr;
     const llama_vocab * vocab = nullptr;
     std::atomic<bool> verbose;  // print llama.cpp's log during this model's calls
-    const int n_gpu_layers;
+    const Placement placement;
+    llama_model_params params;  // as given to llama.cpp (the pointers in it are not kept valid)
 
-    Model(const std::string & path, int n_gpu_layers, bool repack, bool verbose)
-        : verbose(verbose), n_gpu_layers(n_gpu_layers) {
+    Model(const std::string & path, const Placement & pl, bool verbose)
+        : verbose(verbose), placement(pl) {
         LogScope log(verbose);
-        llama_model_params mp = llama_model_default_params();
-        mp.n_gpu_layers = n_gpu_layers;
-        // repacked CPU weights switch kernels with the batch size, which changes rounding between a 1-token decode
-        // and a verify batch; off keeps greedy verification bit-exact on CPUs
-        mp.use_extra_bufts = repack;
+        params = model_params(pl);
+        // kept alive through the load, which is the only time llama.cpp reads them
+        std::vector<float> split(llama_max_devices(), 0.0f);
+        std::copy(pl.tensor_split.begin(), pl.tensor_split.end(), split.begin());
+        std::vector<llama_model_tensor_buft_override> ot;
+        const auto bufts = buffer_types();
+        for (auto & [pattern, name] : placement.overrides) {
+            ot.push_back({pattern.c_str(), bufts.at(name)});
+        }
+        ot.push_back({nullptr, nullptr});
+        llama_model_params mp = params;
+        mp.tensor_split = pl.tensor_split.empty() ? nullptr : split.data();
+        mp.tensor_buft_overrides = pl.overrides.empty() ? nullptr : ot.data();
         model = llama_model_load_from_file(path.c_str(), mp);
         if (!model) {
             fail("failed to load model from " + path);
@@ -203,6 +249,51 @@ struct Model {
             fail("model " + path + " has no vocabulary");
         }
     }
+
+    // Everything llama.cpp would abort or silently misread is refused here, before the load.
+    static llama_model_params model_params(const Placement & pl) {
+        if (pl.split_mode < LLAMA_SPLIT_MODE_NONE || pl.split_mode > LLAMA_SPLIT_MODE_TENSOR) {
+            throw std::invalid_argument("unknown split mode " + std::to_string(pl.split_mode));
+        }
+        if (pl.load_mode < LLAMA_LOAD_MODE_AUTO || pl.load_mode > LLAMA_LOAD_MODE_DIRECT_IO) {
+            throw std::invalid_argument("unknown load mode " + std::to_string(pl.load_mode));
+        }
+        if (pl.tensor_split.size() > llama_max_devices()) {
+            throw std::invalid_argument("a tensor split of " + std::to_string(pl.tensor_split.size()) +
+                                        " entries, but llama.cpp handles at most " +
+                                        std::to_string(llama_max_devices()) + " devices");
+        }
+        for (float f : pl.tensor_split) {
+            if (!(f >= 0.0f) || !std::isfinite(f)) {
+                throw std::invalid_argument("tensor split proportions must be finite numbers >= 0");
+            }
+        }
+        const auto bufts = buffer_types();
+        for (auto & [pattern, name] : pl.overrides) {
+            if (bufts.find(name) == bufts.end()) {
+                std::string known;
+                for (auto & b : bufts) {
+                    known += (known.empty() ? "" : ", ") + b.first;
+                }
+                throw std::invalid_argument("unknown buffer type '" + name + "' (this build has: " + known + ")");
+            }
+            try {
+                std::regex re(pattern);  // llama.cpp matches with std::regex_search: an invalid one throws inside
+            } catch (const std::regex_error & e) {
+                throw std::invalid_argument("invalid tensor pattern '" + pattern + "': " + e.what());
+            }
+        }
+        llama_model_params mp = llama_model_default_params();
+        mp.n_gpu_layers = pl.n_gpu_layers;
+        mp.split_mode = (llama_split_mode) pl.split_mode;
+        mp.main_gpu = pl.main_gpu;
+        mp.load_mode = (llama_load_mode) pl.load_mode;
+        // repacked CPU weights switch kernels with the batch size, which changes rounding between a 1-token decode
+        // and a verify batch; off keeps greedy verification bit-exact on CPUs
+        mp.use_extra_bufts = pl.repack;
+        return mp;
+    }
+
     ~Model() {
         LogScope log(verbose);
         llama_model_free(model);
@@ -673,6 +764,31 @@ struct StepResult {
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
 };
 
+// The llama_context_params fields a user sets (llama.cpp's -c, -b, -ub, -t, -tb, -fa, -ctk, -ctv, -ctkd, -ctvd).
+struct ContextOptions {
+    int n_ctx = 4096;  // 0: the model's trained context
+    int n_batch = 512;  // the most tokens one target decode takes: a prompt chunk or a verify block
+    int n_ubatch = 512;
+    int n_threads = 1;
+    int n_threads_batch = 1;
+    int flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
+    ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation
+    ggml_type type_v_draft = GGML_TYPE_F32;
+};
+
+// KV cache types as llama.cpp's common/arg.cpp offers them, by ggml's names.
+static ggml_type cache_type(const std::string & name) {
+    for (ggml_type t : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
+                        GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1}) {
+        if (name == ggml_type_name(t)) {
+            return t;
+        }
+    }
+    throw std::invalid_argument("unknown KV cache type '" + name + "'");
+}
+
 // Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
 // NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
 // [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
@@ -680,13 +796,13 @@ struct StepResult {
 // session stays usable and n_past says what the caches hold.
 class Session {
 public:
-    Session(Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads, bool use_layer_api,
-            bool flash_attn, bool verbose)
+    Session(Model & target, Model * drafter, std::vector<int> layers, const ContextOptions & opt, bool use_layer_api,
+            bool verbose)
         : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api), verbose(verbose) {
         LogScope log(verbose);
-        check_arguments(n_ctx, n_threads);
+        check_arguments(opt);
         try {
-            create_contexts(n_ctx, n_threads, flash_attn);
+            create_contexts(opt);
         } catch (...) {
             free_all();  // the destructor does not run for a constructor that throws
             throw;
@@ -706,6 +822,26 @@ public:
     int context_size() const { return n_ctx; }
     bool has_drafter() const { return ctx_dft != nullptr; }
     bool uses_layer_api() const { return layer_api; }
+    int batch_size() const { return n_batch; }
+    int ubatch_size() const { return (int) llama_n_ubatch(ctx_tgt); }
+    int threads() const { return llama_n_threads(ctx_tgt); }
+    int threads_batch() const { return llama_n_threads_batch(ctx_tgt); }
+
+    // llama.cpp's memory report for one context ("target" or "drafter"): bytes of weights, KV cache and compute
+    // buffers per buffer type (CPU, CUDA0, ...). The drafter's includes its own weights, not the target's it borrows.
+    std::vector<std::tuple<std::string, size_t, size_t, size_t>> memory(const std::string & which) const {
+        const llama_context * ctx = which == "target" ? ctx_tgt : which == "drafter" ? ctx_dft : nullptr;
+        if (which != "target" && which != "drafter") {
+            throw std::invalid_argument("memory of 'target' or 'drafter', not '" + which + "'");
+        }
+        std::vector<std::tuple<std::string, size_t, size_t, size_t>> out;
+        if (ctx) {
+            for (auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+                out.emplace_back(ggml_backend_buft_name(buft), mb.model, mb.context, mb.compute);
+            }
+        }
+        return out;
+    }
 
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
     void set_capture(bool on) { capture = on; }
@@ -812,7 +948,7 @@ public:
 private:
     enum Logits { LogitsNone, LogitsLast, LogitsAll };
 
-    static constexpr int max_batch = 512;
+    static constexpr int max_block = 512;
 
     Model & tgt;
     Model * dft;
@@ -840,12 +976,24 @@ private:
     std::vector<std::pair<float, llama_token>> cand;
 
     // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
-    void check_arguments(int n_ctx, int n_threads) {
-        if (n_ctx < 2) {
-            throw std::invalid_argument("n_ctx must be at least 2, got " + std::to_string(n_ctx));
+    void check_arguments(const ContextOptions & o) {
+        if (o.n_ctx != 0 && o.n_ctx < 2) {
+            throw std::invalid_argument("n_ctx must be 0 (the model's) or at least 2, got " + std::to_string(o.n_ctx));
         }
-        if (n_threads < 1) {
-            throw std::invalid_argument("n_threads must be at least 1, got " + std::to_string(n_threads));
+        if (o.n_threads < 1 || o.n_threads_batch < 1) {
+            throw std::invalid_argument("thread counts must be at least 1");
+        }
+        if (o.n_batch < 1 || o.n_ubatch < 1 || o.n_ubatch > o.n_batch) {
+            throw std::invalid_argument("need 1 <= n_ubatch <= n_batch, got n_batch " + std::to_string(o.n_batch) +
+                                        ", n_ubatch " + std::to_string(o.n_ubatch));
+        }
+        if (o.flash_attn < LLAMA_FLASH_ATTN_TYPE_AUTO || o.flash_attn > LLAMA_FLASH_ATTN_TYPE_ENABLED) {
+            throw std::invalid_argument("flash_attn must be -1 (auto), 0 (off) or 1 (on)");
+        }
+        // llama.cpp refuses these with a log line and no context; say why instead
+        if (o.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED &&
+            (ggml_is_quantized(o.type_v) || (dft && ggml_is_quantized(o.type_v_draft)))) {
+            throw std::invalid_argument("a quantized V cache needs flash attention (flash_attn on or auto)");
         }
         if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
             throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
@@ -887,18 +1035,20 @@ private:
         const std::string bs = dft->meta("dflash.block_size");
         block_size = bs.empty() ? 16 : std::atoi(bs.c_str());
         // a noise block is one batch, and a non-causal one must fit in one ubatch
-        if (block_size < 2 || block_size > max_batch) {
+        if (block_size < 2 || block_size > max_block) {
             throw std::invalid_argument("the drafter's block size '" + bs + "' is outside 2.." +
-                                        std::to_string(max_batch));
+                                        std::to_string(max_block));
         }
     }
 
-    void create_contexts(int n_ctx_want, int n_threads, bool flash_attn) {
-        llama_context_params cp = context_params(n_ctx_want, n_threads, flash_attn);
+    void create_contexts(const ContextOptions & o) {
+        llama_context_params cp = context_params(o, o.n_ctx, o.n_batch, o.n_ubatch);
+        cp.type_k = o.type_k;
+        cp.type_v = o.type_v;
         // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
-        cp.op_offload = tgt.n_gpu_layers != 0;
+        cp.op_offload = tgt.params.n_gpu_layers != 0;
         if (!layers.empty() && !layer_api) {
             cp.cb_eval           = eval_cb;
             cp.cb_eval_user_data = this;
@@ -908,7 +1058,7 @@ private:
             fail("failed to create the target context");
         }
         n_ctx = (int) llama_n_ctx(ctx_tgt);
-        n_batch = (int) llama_n_batch(ctx_tgt);  // less than max_batch when n_ctx was (llama.cpp rounds n_ctx up)
+        n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
         batch_tgt = new_batch(ctx_tgt);
         if (layer_api) {
             for (int lid : layers) {
@@ -918,34 +1068,35 @@ private:
         if (!dft) {
             return;
         }
-        // the noise block reaches past the target's last position
-        llama_context_params dp = context_params(n_ctx + block_size, n_threads, false);
+        // The noise block reaches past the target's last position. The drafter attends non-causally, and llama.cpp
+        // then needs every batch in one ubatch: the drafter's batch and ubatch are equal and hold a whole target
+        // batch's features or a noise block.
+        const int n_dft_batch = std::max(n_batch, block_size);
+        llama_context_params dp = context_params(o, n_ctx + block_size, n_dft_batch, n_dft_batch);
         dp.ctx_other = ctx_tgt;
-        // the drafter's cache is small; f32 keeps its drafts equal to a float32 reference implementation
-        dp.type_k = GGML_TYPE_F32;
-        dp.type_v = GGML_TYPE_F32;
+        dp.type_k = o.type_k_draft;
+        dp.type_v = o.type_v_draft;
         ctx_dft = llama_init_from_model(dft->model, dp);
         if (!ctx_dft) {
             fail("failed to create the drafter context");
         }
-        // the drafter takes a whole target chunk's features, or a whole noise block, in one batch
-        if ((int) llama_n_batch(ctx_dft) < std::max(n_batch, block_size)) {
+        if ((int) llama_n_ubatch(ctx_dft) < n_dft_batch) {
             fail("the drafter context's batch is too small");
         }
         batch_dft = new_batch(ctx_dft);
         llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
     }
 
-    static llama_context_params context_params(int n_ctx, int n_threads, bool flash_attn) {
+    static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx           = n_ctx;
-        cp.n_batch         = max_batch;
-        cp.n_ubatch        = max_batch;
-        cp.n_threads       = n_threads;
-        cp.n_threads_batch = n_threads;
+        cp.n_batch         = n_batch;
+        cp.n_ubatch        = n_ubatch;
+        cp.n_threads       = o.n_threads;
+        cp.n_threads_batch = o.n_threads_batch;
         cp.no_perf         = true;
         // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
-        cp.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        cp.flash_attn_type = (llama_flash_attn_type) o.flash_attn;
         // Rollback relies on it (gemma3 and SWA drafters): a sliding-window cache of only the window (swa_full off)
         // evicts the positions that fell out of the window of a verify batch's last token, and after rejected
         // tokens are dropped the next token's window needs some of them again. (llama.cpp's default, pinned.)
@@ -1244,10 +1395,59 @@ PYBIND11_MODULE(_native, m) {
         return sample_row(logits.data(), (int) logits.size(), s, index, cand);
     }, "Sample one token from a logits row exactly as the native step does.");
 
+    m.def("buffer_types", []() {
+        std::vector<std::string> names;
+        for (auto & b : buffer_types()) {
+            names.push_back(b.first);
+        }
+        return names;
+    }, "Buffer type names -ot can use: each device's default buffer type, as llama.cpp lists them.");
+    m.def("gpu_devices", []() {
+        std::vector<std::string> names;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            const auto type = ggml_backend_dev_type(dev);
+            if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+                names.push_back(ggml_backend_dev_name(dev));
+            }
+        }
+        return names;
+    }, "The GPU devices llama.cpp sees (what -ngl, -ts and -mg place layers on).");
+    m.def("max_devices", []() { return llama_max_devices(); });
+    m.def("cache_types", []() {
+        std::vector<std::string> names;
+        for (ggml_type t : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+                            GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1}) {
+            names.push_back(ggml_type_name(t));
+        }
+        return names;
+    }, "KV cache types (-ctk/-ctv), as llama.cpp offers them.");
+
     py::class_<Model>(m, "Model")
-        .def(py::init<const std::string &, int, bool, bool>(), py::arg("path"), py::arg("n_gpu_layers") = 0,
-             py::arg("repack") = false, py::arg("verbose") = false,
+        .def(py::init([](const std::string & path, int n_gpu_layers, bool repack, bool verbose, int split_mode,
+                         int main_gpu, std::vector<float> tensor_split, int load_mode,
+                         std::vector<std::pair<std::string, std::string>> overrides) {
+                 Placement pl{n_gpu_layers, split_mode, main_gpu, std::move(tensor_split), load_mode,
+                              std::move(overrides), repack};
+                 return new Model(path, pl, verbose);
+             }),
+             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("repack") = false, py::arg("verbose") = false,
+             py::kw_only(), py::arg("split_mode") = (int) LLAMA_SPLIT_MODE_LAYER, py::arg("main_gpu") = 0,
+             py::arg("tensor_split") = std::vector<float>{}, py::arg("load_mode") = (int) LLAMA_LOAD_MODE_AUTO,
+             py::arg("overrides") = std::vector<std::pair<std::string, std::string>>{},
              py::call_guard<py::gil_scoped_release>())
+        // the llama_model_params the model was loaded with
+        .def_property_readonly("n_gpu_layers", [](const Model & mm) { return mm.params.n_gpu_layers; })
+        .def_property_readonly("split_mode", [](const Model & mm) { return (int) mm.params.split_mode; })
+        .def_property_readonly("main_gpu", [](const Model & mm) { return mm.params.main_gpu; })
+        .def_property_readonly("load_mode", [](const Model & mm) {
+            return std::string(llama_load_mode_name(mm.params.load_mode));
+        })
+        .def_property_readonly("repack", [](const Model & mm) { return mm.params.use_extra_bufts; })
+        .def_property_readonly("tensor_split", [](const Model & mm) { return mm.placement.tensor_split; })
+        .def_property_readonly("overrides", [](const Model & mm) { return mm.placement.overrides; })
+        .def_property_readonly("n_devices", [](const Model & mm) { return llama_model_n_devices(mm.model); })
+        .def_property_readonly("n_expert", [](const Model & mm) { return llama_model_n_expert(mm.model); })
         .def_property("verbose", [](const Model & mm) { return mm.verbose.load(); },
                       [](Model & mm, bool v) { mm.verbose = v; })
         .def("meta", &Model::meta)
@@ -1285,13 +1485,25 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Session>(m, "Session")
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
-                         bool use_layer_api, bool flash_attn, bool verbose) {
-                 return new Session(target, drafter, std::move(layers), n_ctx, n_threads, use_layer_api, flash_attn,
-                                    verbose);
+                         bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
+                         int n_ubatch, const std::string & type_k, const std::string & type_v,
+                         const std::string & type_k_draft, const std::string & type_v_draft) {
+                 const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
+                 ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
+                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft)};
+                 return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
-             py::arg("use_layer_api"), py::arg("flash_attn") = false, py::arg("verbose") = false,
+             py::arg("use_layer_api"), py::arg("flash_attn") = 0, py::arg("verbose") = false, py::kw_only(),
+             py::arg("n_threads_batch") = 0, py::arg("n_batch") = 512, py::arg("n_ubatch") = 512,
+             py::arg("type_k") = "f16", py::arg("type_v") = "f16", py::arg("type_k_draft") = "f32",
+             py::arg("type_v_draft") = "f32",
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("n_batch", &Session::batch_size)
+        .def_property_readonly("n_ubatch", &Session::ubatch_size)
+        .def_property_readonly("n_threads", &Session::threads)
+        .def_property_readonly("n_threads_batch", &Session::threads_batch)
+        .def("memory", &Session::memory, py::arg("which") = "target")
         .def_property("verbose", [](const Session & ss) { return ss.verbose.load(); },
                       [](Session & ss, bool v) { ss.verbose = v; })
         .def_property_readonly("n_past", &Session::n_past)

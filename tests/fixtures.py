@@ -1,4 +1,4 @@
-"""Deterministic tiny GGUF models for tests: a qwen3 target and a dflash drafter.
+"""Deterministic tiny GGUF models for tests: a qwen3 target, a qwen3moe target and a dflash drafter.
 
 Pure python + numpy + gguf. Run `python tests/fixtures.py OUTDIR` to write
 OUTDIR/tiny-target.gguf and OUTDIR/tiny-drafter.gguf.
@@ -241,6 +241,47 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
 
     return write_gguf_atomic(path, "qwen3", fill)
+
+
+def write_tiny_moe(path, *, seed=3, n_embd=64, n_layer=4, n_head=2, n_head_kv=1, head_dim=32, n_expert=4,
+                   n_expert_used=2, n_ff_exp=64, n_ctx_train=1024) -> Path:
+    """Random-weight qwen3moe model (llama.cpp's tensor names: blk.N.ffn_{gate,up,down}_exps, ffn_gate_inp) with the
+    tiny tokenizer. Heads of 32 values take quantized KV caches (blocks of 32)."""
+    tok = build_tokenizer()
+    n_vocab = len(tok["tokens"])
+    init = _Init(seed)
+
+    def q4_0(a: np.ndarray) -> np.ndarray:
+        return gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_0)
+
+    def fill(w):
+        w.add_name("tiny-moe")
+        _add_hparams(w, n_ctx=n_ctx_train, n_embd=n_embd, n_ff=n_ff_exp, n_layer=n_layer,
+                     n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        _add_tokenizer(w, tok)
+        w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "attn_q.weight", init.linear(n_head * head_dim, n_embd))
+            w.add_tensor(p + "attn_k.weight", init.linear(n_head_kv * head_dim, n_embd))
+            w.add_tensor(p + "attn_v.weight", init.linear(n_head_kv * head_dim, n_embd))
+            w.add_tensor(p + "attn_output.weight", init.linear(n_embd, n_head * head_dim, 2.0))
+            w.add_tensor(p + "attn_q_norm.weight", init.norm(head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", init.norm(head_dim))
+            w.add_tensor(p + "ffn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "ffn_gate_inp.weight", init.linear(n_expert, n_embd, 4.0))
+            for name, (n_out, n_in, gain) in {"gate": (n_ff_exp, n_embd, 1.0), "up": (n_ff_exp, n_embd, 1.0),
+                                              "down": (n_embd, n_ff_exp, 2.0)}.items():
+                experts = np.stack([init.linear(n_out, n_in, gain) for _ in range(n_expert)])
+                w.add_tensor(p + f"ffn_{name}_exps.weight", q4_0(experts), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+        w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
+
+    return write_gguf_atomic(path, "qwen3moe", fill)
 
 
 def write_tiny_drafter(path, target_path, *, target_layers=(2, 3), block_size=8, **kw) -> Path:

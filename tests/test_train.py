@@ -93,8 +93,8 @@ def test_data_from_other_prompts_is_refused(run, tiny_target, corpus):
     out, _ = run
     prompts = training_prompts(corpus, seed=0)
     with pytest.raises(ValueError, match="sample-000000.npz was made from another prompt"):
-        make_data(tiny_target, out / "data", [1, 3], prompts[::-1], 12, 40, 2)
-    assert len(make_data(tiny_target, out / "data", [1, 3], prompts, 12, 40, 2)) == 12  # the same ones are reused
+        make_data(tiny_target, out / "data", [1, 3], prompts[::-1], 12, 40)
+    assert len(make_data(tiny_target, out / "data", [1, 3], prompts, 12, 40)) == 12  # the same ones are reused
 
 
 def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):

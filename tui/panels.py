@@ -133,6 +133,33 @@ def model_text(info: dict, block_size: int, n_gpu_layers: int) -> Text:
     t.append("  block ", "dim").append(f"{block_size}").append(f"/{trained}\n", "dim")
     # whether greedy DFlash output is guaranteed token-identical to plain decoding (README, "Lossless")
     t.append("verify  ", "dim").append("bit-exact" if info["bit_exact_verify"] else "not bit-exact")
+    if "placement" in info:
+        t.append("\n").append(placement_text(info))
+    return t
+
+
+def placement_text(info: dict) -> Text:
+    """What is where: GPU layers, experts kept on the CPU, KV types, memory per buffer type."""
+    p, t = info["placement"], Text()
+    if p["gpu_devices"]:
+        t.append("gpu     ", "dim").append(f"{p['target_layers_on_gpu']}/{p['target_layer_slots']} layers\n")
+    if p["n_expert"] and p["overrides"]:
+        n_layer = info["target"]["n_layer"]
+        moe = f"CPU in {min(p['n_cpu_moe'], n_layer)}/{n_layer} layers" if p["n_cpu_moe"] else "placed by -ot"
+        t.append("experts ", "dim").append(moe + "\n")
+    elif p["overrides"]:
+        t.append("-ot     ", "dim").append(f"{len(p['overrides'])} pattern(s)\n")
+    t.append("kv      ", "dim").append(f"{p['cache_type_k']}/{p['cache_type_v']}")
+    if info["drafter"]:
+        t.append(" draft ", "dim").append(f"{p['cache_type_k_draft']}/{p['cache_type_v_draft']}")
+    t.append(" fa ", "dim").append(p["flash_attn"] + "\n")
+    totals: dict[str, int] = {}
+    for row in info["memory"]["target"] + info["memory"]["drafter"]:
+        totals[row["buffer_type"]] = totals.get(row["buffer_type"], 0) + row["model"] + row["context"] + row["compute"]
+    t.append("memory", "dim")  # weights, KV caches and compute buffers of both contexts, per buffer type
+    for name, b in sorted(totals.items()):
+        if b:
+            t.append(f"\n  {clip(name, 14):<14} {b / 2**20:7.1f} MiB")
     return t
 
 
