@@ -95,12 +95,24 @@ class ChatRequest(GenerationRequest):
     def output_syntax(self, engine: Engine, prompt: dict, reasoning_format: str) -> chat_output.Syntax:
         """How this request's output is read (reasoning, tool calls); a request that cannot be served raises
         APIError."""
+        fmt = self.reasoning_format or reasoning_format
+        try:
+            reasoning.check_format(fmt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="reasoning_format")
+        try:
+            tool_calls.check_choice(self.tool_choice, self.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice")
         try:
             text = engine.chat_prompt(prompt["messages"], prompt["chat_template_kwargs"])
-            return chat_output.syntax_for(engine.chat_template, text, self.reasoning_format or reasoning_format,
-                                          self.tools, self.tool_choice, self.parallel_tool_calls)
-        except ValueError as e:
-            raise APIError(400, str(e), param="tools" if self.tools else None)
+        except ValueError as e:  # the template's own errors
+            raise APIError(400, str(e))
+        try:
+            return chat_output.syntax_for(engine.chat_template, text, fmt, self.tools, self.tool_choice,
+                                          self.parallel_tool_calls)
+        except ValueError as e:  # tools for a model whose call syntax is unknown
+            raise APIError(400, str(e), param="tools")
 
 
 class CompletionRequest(GenerationRequest):
