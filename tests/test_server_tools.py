@@ -246,3 +246,10 @@ def test_done_when_serve_a_qwen35_like_template_on_gemma(gemma_target, gemma_dra
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_serve_refuses_a_reasoning_budget_it_cannot_keep(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "serve", "--reasoning-budget", "256"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "reasoning budget 256 is not supported: use -1 (unrestricted) or 0 (no thinking)" in r.stderr
