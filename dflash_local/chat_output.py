@@ -30,7 +30,7 @@ class Syntax:
     @property
     def preserved(self) -> tuple[str, ...]:
         """Control tokens the output must show as text to be read."""
-        marks = harmony.PRESERVED if self.reasoning == "harmony" else self.tags
+        marks = harmony.PRESERVED if self.reasoning == "harmony" else reasoning.MARKERS[self.tags]
         return tuple(marks) + (tool_calls.PRESERVED[self.tools] if self.tools else ())
 
 

@@ -13,6 +13,8 @@ from .textstream import partial_suffix
 FORMATS = ("auto", "deepseek", "none")  # auto: deepseek wherever the output has a reasoning block, as llama-server
 THINK = ("<think>", "</think>")
 GEMMA4_THOUGHT = ("<|channel>thought", "<channel|>")
+# the control tokens each block's tags are made of: the output must show them as text to be read
+MARKERS = {THINK: THINK, GEMMA4_THOUGHT: ("<|channel>", "<channel|>")}
 
 
 def check_format(name: str) -> str:

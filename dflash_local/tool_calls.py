@@ -86,25 +86,33 @@ def check_choice(tool_choice, tools: list[dict] | None) -> str | None:
 
 
 def functions(tools: list[dict]) -> list[dict]:
-    return [t.get("function", t) for t in tools if isinstance(t, dict)]
+    """The function definitions in OpenAI `tools` (entries that are none are left out)."""
+    return [f for t in tools if isinstance(t, dict) and isinstance(f := t.get("function", t), dict)]
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them (as llama.cpp hands them over): a tool call's arguments as an object
-    rather than OpenAI's JSON string (templates iterate them or apply tojson), and a tool result with the name of the
-    function it answers."""
+    rather than OpenAI's JSON string (templates iterate them or apply tojson), a tool result with the name of the
+    function it answers, and an answer's reasoning_content also as `thinking` (what gpt-oss's template reads)."""
     names, out = {}, []
     for m in messages:
+        if isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
+            m = {**m, "thinking": m["reasoning_content"]}
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass  # the template gets it as it came
-                names[c.get("id")] = fn.get("name")
+                if not isinstance(c.get("function"), dict):  # the template will say what it makes of it
+                    calls.append(c)
+                    continue
+                fn = dict(c["function"])
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else None
+                except json.JSONDecodeError:
+                    args = None  # the template gets it as it came
+                if isinstance(args, dict):
+                    fn["arguments"] = args
+                if isinstance(c.get("id"), str):
+                    names[c["id"]] = fn.get("name")
                 calls.append({**c, "function": fn})
             m = {**m, "tool_calls": calls}
         if m.get("role") == "tool" and "name" not in m and names.get(m.get("tool_call_id")):
@@ -197,12 +205,12 @@ def _xml_call(body: str, tools: list[dict]) -> ToolCall | None:
     if not fn:
         return None
     name = fn.group(1)
-    schema = next((f.get("parameters") or {} for f in functions(tools) if f.get("name") == name), {})
-    props = schema.get("properties") or {}
+    schema = next((f.get("parameters") for f in functions(tools) if f.get("name") == name), None)
+    props = schema.get("properties") if isinstance(schema, dict) else None
     args = {}
     for key, value in re.findall(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", fn.group(2), re.S):
         # values are bare text; a parameter the schema does not declare a string is read as JSON where it is JSON
-        if (props.get(key) or {}).get("type") == "string":
+        if isinstance(props, dict) and isinstance(props.get(key), dict) and props[key].get("type") == "string":
             args[key] = value
             continue
         try:

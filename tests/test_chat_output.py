@@ -229,6 +229,7 @@ def test_gemma4_calls():
     template = "{{ messages }}{{ tools }}{{- '<|tool_call>call:' -}}<|channel>thought"
     syntax = syntax_for(template, "<start_of_turn>model\n", "auto", TOOLS, None)
     assert syntax.tools == "gemma4" and syntax.tags == ("<|channel>thought", "<channel|>")
+    assert {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>"} <= set(syntax.preserved)
     text = ('<|channel>thought\nThe tool knows.<channel|><|tool_call>call:get_weather{city:<|"|>Zürich, CH<|"|>,'
             'days:3,units:{t:<|"|>c<|"|>,list:[1,-2.5,true,null]}}<tool_call|>')
     out = check_streams_agree(syntax, text)
@@ -275,4 +276,10 @@ def test_messages_are_handed_to_templates_as_llama_cpp_does():
     out = tool_calls.template_messages(msgs)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Zürich"}
     assert out[2]["name"] == "get_weather"
+    # gpt-oss's template reads an earlier answer's reasoning as `thinking`
+    thought = tool_calls.template_messages([{"role": "assistant", "content": "4", "reasoning_content": "add"}])
+    assert thought[0]["thinking"] == "add"
+    assert "<|start|>assistant<|channel|>analysis<|message|>add<|end|>" in render(
+        tool_calls.template_messages([USER, {"role": "assistant", "content": "4", "reasoning_content": "add"}]),
+        GPT_OSS, "gpt-oss")
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Z\\u00fcrich"}'  # the caller's untouched
