@@ -39,9 +39,11 @@ async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage:
                 break
             if ev is None:
                 break
-            if isinstance(ev, TextDelta):
-                for delta in stream.feed(ev.text) if chat else [None]:
-                    yield frame({**head, "choices": [chunk_choice(chat, ev.text, None, delta=delta)]})
+            if isinstance(ev, TextDelta) and chat:
+                for delta in stream.feed(ev.text):  # nothing while the text may still be the start of a marker
+                    yield frame({**head, "choices": [chunk_choice(chat, None, None, delta=delta)]})
+            elif isinstance(ev, TextDelta):
+                yield frame({**head, "choices": [chunk_choice(chat, ev.text, None)]})
             elif isinstance(ev, Finished):
                 finished = True
                 metrics.add(ev.summary, time.perf_counter() - t0)

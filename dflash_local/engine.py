@@ -298,7 +298,8 @@ class Engine:
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None, shown: frozenset[int]) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None,
+                  shown: frozenset[int]) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s, sampling = self.session, params.native()
         policy = self._policy_for(self.block_size - 1 if drafter else 0)

@@ -146,7 +146,8 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         stream = chat_output.Stream(syntax) if chat else None
-        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0), media_type="text/event-stream",
+        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(watch_disconnect(request, job))
     done = None

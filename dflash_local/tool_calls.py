@@ -138,10 +138,10 @@ def enforce(choice: str, parallel: bool, calls: list[ToolCall]) -> list[ToolCall
 
 
 def parse(text: str, fmt: str, tools: list[dict], partial: bool) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of an answer in format `fmt` (reasoning already taken out; harmony's messages are read
-    one by one with harmony_call). With partial=True (more text may
-    follow) the content stops where a call may be starting and only complete calls are returned. Text that looks
-    like a call but does not parse stays in the content, as it came."""
+    """(content, calls) of an answer in format `fmt` (reasoning already taken out; harmony's messages are read one
+    by one with harmony_call). With partial=True (more text may follow) the content stops where a call may be
+    starting and only complete calls are returned. Text that looks like a call but does not parse (a call cut short
+    included) stays in the content, as it came."""
     if fmt == "llama3":
         return _parse_llama3(text, partial)
     tags = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3-coder": ("<tool_call>", "</tool_call>"),
@@ -201,7 +201,7 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 
 def _xml_call(body: str, tools: list[dict]) -> ToolCall | None:
-    fn = re.search(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", body, re.S)
+    fn = re.search(r"<function=([^>\s]+)>(.*?)</function>", body, re.S)
     if not fn:
         return None
     name = fn.group(1)

@@ -37,7 +37,8 @@ def test_bench_rejects_bad_prompt_files(tiny_target, tiny_drafter, tmp_path):
     r = run_bench(["-m", str(tiny_target), "--prompts", str(bad)], tmp_path)
     assert r.returncode == 2 and "give a drafter" in r.stderr
     r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--reasoning", "on"], tmp_path)
-    assert r.returncode == 2 and "--reasoning sets enable_thinking in the chat template: it needs chat prompts" in r.stderr
+    assert r.returncode == 2
+    assert "--reasoning sets enable_thinking in the chat template: it needs chat prompts" in r.stderr
 
 
 def test_reasoning_flags_become_template_variables():

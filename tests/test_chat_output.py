@@ -176,6 +176,9 @@ def test_qwen35_xml_calls_as_its_template_writes_them():
     out = finish(syntax, "x</think><tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
                          "</function>\n</tool_call>")
     assert json.loads(out.calls[0].arguments) == {"city": "42"}
+    # cut short inside a call (max_tokens): no call, the text stays in the content
+    cut_short = finish(syntax, "x</think><tool_call>\n<function=get_weather>\n<parameter=city>\nZür")
+    assert cut_short.calls == [] and cut_short.content.startswith("<tool_call>\n<function=get_weather>")
 
 
 def test_hermes_calls_as_the_qwen3_template_writes_them():

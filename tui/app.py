@@ -96,7 +96,8 @@ class Message(Static):
         if self.note:
             t.append(" · " + self.note, style="dim")
         if self.reasoning:
-            t.append(f"\n{'▸' if self.folded else '▾'} Thinking · {self.reasoning_tokens} tokens", style="dim italic")
+            fold = "▸" if self.folded else "▾"
+            t.append(f"\n{fold} Thinking · {self.reasoning_tokens} tokens", style="dim italic")
             if not self.folded:
                 t.append("\n" + printable(self.reasoning), style="dim")
         t.append("\n" + (printable(self.body) or ("" if self.reasoning else "…")))
