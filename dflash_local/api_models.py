@@ -148,8 +148,9 @@ def completion_body(head: dict, done: Finished, message: chat_output.Message | N
     return {**head, "choices": [choice], "usage": usage_of(done), "timings": timings_of(done)}
 
 
-def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False, delta: dict | None = None) \
-        -> dict:
+def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False,
+                 delta: dict | None = None) -> dict:
+    """A stream chunk's choice: a chat chunk's delta is the one given, or else the text as content."""
     if chat:
         delta = {"role": "assistant", "content": ""} if first else delta or ({"content": text} if text else {})
         return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}

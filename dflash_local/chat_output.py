@@ -19,7 +19,8 @@ class Syntax:
     """How one chat request's output is read."""
 
     reasoning: str  # "think" (a tagged block at the start) or "harmony" (gpt-oss channels)
-    inline: bool = False  # reasoning_format none: the reasoning stays in the content as it came
+    separate: bool = True  # the reasoning is given apart, in reasoning_content (not with reasoning_format none)
+    inline: bool = False  # the reasoning also stays in the content as it came (none, deepseek-legacy)
     tags: tuple[str, str] = reasoning.THINK
     inside: bool = False  # the prompt opened the reasoning block
     tools: str | None = None  # the tool-call format; None: calls are not parsed (no tools, or tool_choice none)
@@ -48,8 +49,8 @@ def syntax_for(template: str | None, prompt: str, reasoning_format: str, tools: 
     kind = "harmony" if template and "<|channel|>" in template else "think"
     tags = reasoning.tags_for(template)
     inside = kind == "think" and reasoning.opened_in_prompt(prompt, tags)
-    return Syntax(kind, reasoning_format == "none", tags, inside, fmt, tool_calls.functions(tools or []), choice,
-                  parallel)
+    return Syntax(kind, reasoning_format != "none", reasoning_format in ("none", "deepseek-legacy"), tags, inside, fmt,
+                  tool_calls.functions(tools or []), choice, parallel)
 
 
 @dataclass
@@ -72,9 +73,8 @@ def parse(syntax: Syntax, text: str, partial: bool) -> Message:
     """The message in `text`; partial=True: the output goes on, and the message holds only what is certain."""
     if syntax.reasoning == "harmony":
         return _parse_harmony(syntax, text, partial)
-    thinking, rest = ("", text)
-    if not syntax.inline:
-        thinking, rest = reasoning.split(text, syntax.tags, syntax.inside, partial)
+    thinking, rest = reasoning.split(text, syntax.tags, syntax.inside, partial)
+    thinking, rest = thinking if syntax.separate else "", text if syntax.inline else rest
     if not syntax.tools:
         return Message(thinking, rest, [])
     content, calls = tool_calls.parse(rest, syntax.tools, syntax.functions, partial)
@@ -89,11 +89,12 @@ def _parse_harmony(syntax: Syntax, text: str, partial: bool) -> Message:
         call = tool_calls.harmony_call(m) if syntax.tools else None
         if call:
             calls.append(call)
-        elif syntax.inline:
-            content += m.raw
-        elif m.channel == "analysis":
+            continue
+        if m.channel == "analysis" and syntax.separate:
             thinking.append(m.body)
-        elif m.recipient is None:  # the final answer, and commentary addressed to the user
+        if syntax.inline:
+            content += m.raw
+        elif m.channel != "analysis" and m.recipient is None:  # the final answer, and commentary to the user
             content += m.body
     return Message("\n".join(thinking).strip(), content, calls)
 

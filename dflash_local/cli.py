@@ -75,8 +75,9 @@ def _reasoning_args(p: argparse.ArgumentParser, server: bool) -> None:
                    help="thinking on or off for templates that read enable_thinking (default auto: the template's "
                         "own default)")
     if server:
-        p.add_argument("--reasoning-format", choices=["auto", "deepseek", "none"], default="auto",
-                       help="deepseek (and auto): reasoning apart in reasoning_content; none: left in the content")
+        p.add_argument("--reasoning-format", choices=["auto", "deepseek", "deepseek-legacy", "none"], default="auto",
+                       help="deepseek (and auto): reasoning apart in reasoning_content; none: left in the content; "
+                            "deepseek-legacy: both")
         p.add_argument("--reasoning-budget", type=_budget, default=-1, metavar="N",
                        help="-1: unrestricted (default); 0: no thinking (enable_thinking=false)")
 

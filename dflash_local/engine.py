@@ -287,14 +287,18 @@ class Engine:
             raise ValueError("stop must be a string or a list of strings")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
-        shown = frozenset(t[0] for t in (self.target.tokenize(s, False, True) for s in preserved_tokens) if len(t) == 1)
+        shown = set()
+        for text in preserved_tokens:
+            one = self.target.tokenize(text, False, True)
+            if len(one) == 1:
+                shown.add(one[0])
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), params, drafter, shown)
+            yield from self._generate(ids, max_tokens, list(stop), params, drafter, frozenset(shown))
         finally:
             self._lock.release()
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from .textstream import partial_suffix
 
-FORMATS = ("auto", "deepseek", "none")  # auto: deepseek wherever the output has a reasoning block, as llama-server
+# auto: deepseek wherever the output has a reasoning block, as llama-server; deepseek-legacy: reasoning_content, and
+# the reasoning also left in the content as it came
+FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 THINK = ("<think>", "</think>")
 GEMMA4_THOUGHT = ("<|channel>thought", "<channel|>")
 # the control tokens each block's tags are made of: the output must show them as text to be read

@@ -114,8 +114,10 @@ def test_think_block_the_model_opens_itself_and_format_none():
     raw = "<think>\nweather\n</think>\n\nSunny."
     none = syntax_for(QWEN3, prompt, "none", None, None)
     assert check_streams_agree(none, raw).content == raw
-    with pytest.raises(ValueError, match="reasoning_format must be one of auto, deepseek, none"):
-        syntax_for(QWEN3, prompt, "deepseek-legacy", None, None)
+    legacy = check_streams_agree(syntax_for(QWEN3, prompt, "deepseek-legacy", None, None), raw)
+    assert (legacy.reasoning, legacy.content) == ("weather", raw)
+    with pytest.raises(ValueError, match="reasoning_format must be one of auto, deepseek, deepseek-legacy, none"):
+        syntax_for(QWEN3, prompt, "deepseek-v2", None, None)
 
 
 def test_a_stream_holds_back_a_tag_cut_across_pieces():
@@ -137,7 +139,10 @@ def test_gpt_oss_analysis_channel_is_the_reasoning():
     assert syntax.reasoning == "harmony" and "<|channel|>" in syntax.preserved
     msg = check_streams_agree(syntax, text)
     assert (msg.reasoning, msg.content) == ("Simple question.", "Sunny.")
-    assert check_streams_agree(syntax_for(GPT_OSS, prompt, "none", None, None), text).content == text
+    none = check_streams_agree(syntax_for(GPT_OSS, prompt, "none", None, None), text)
+    assert (none.reasoning, none.content) == ("", text)
+    legacy = check_streams_agree(syntax_for(GPT_OSS, prompt, "deepseek-legacy", None, None), text)
+    assert (legacy.reasoning, legacy.content) == ("Simple question.", text)
 
 
 def test_reasoning_budget_follows_llama_server():

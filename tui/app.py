@@ -132,7 +132,7 @@ class ChatApp(App):
         self.last_answer = ""
         self.busy = False  # from a prompt's send until its Done is drained
         self.answer: Message | None = None  # the answer being streamed
-        self.reader = Stream(Syntax("think", inline=True))  # reads the answer's reasoning apart from its text
+        self.reader = Stream(Syntax("think", separate=False, inline=True))  # reads the answer's reasoning apart from its text
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.stop_requested = threading.Event()
 
@@ -202,7 +202,7 @@ class ChatApp(App):
             syntax = syntax_for(self.engine.chat_template, self.engine.chat_prompt(messages), "auto", None, None)
             kwargs["preserved_tokens"] = syntax.preserved
         except ValueError:  # the prompt cannot be made: the generation fails on the same error and says so
-            syntax = Syntax("think", inline=True)
+            syntax = Syntax("think", separate=False, inline=True)
         self.reader = Stream(syntax)
         self.run_worker(lambda: self.generate(kwargs), thread=True, group="generate")
 
