@@ -7,8 +7,9 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from . import chat_output, reasoning, tool_calls
 from .api_errors import APIError
 from .engine import ContextOverflowError, Engine, Finished
 from .sampling import SamplingParams
@@ -61,6 +62,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning, for templates that keep it
 
     @model_validator(mode="after")
     def _tool_answers_a_call(self):
@@ -81,7 +83,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict] | None = None  # rendered by the chat template; tool calls in the output are not parsed
+    tools: list[dict] | None = None  # rendered by the chat template, calls parsed from the output (tool_calls.py)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, over the server's defaults
     response_format: dict | None = None
 
@@ -92,11 +96,40 @@ class ChatRequest(GenerationRequest):
         if v is not None and v.get("type", "text") != "text":
             raise ValueError(f"type {v.get('type')!r} is not supported yet; only 'text'")
         return v
+    reasoning_format: str | None = None  # over the server's --reasoning-format
+    reasoning_budget_tokens: int | None = Field(
+        default=None, validation_alias=AliasChoices("reasoning_budget_tokens", "thinking_budget_tokens"))
 
     def prompt_kwargs(self) -> dict:
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
-        kwargs = (self.chat_template_kwargs or {}) | ({"tools": self.tools} if self.tools else {})
-        return {"messages": messages, "chat_template_kwargs": kwargs}
+        try:
+            budget = reasoning.budget_kwargs(self.reasoning_budget_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="reasoning_budget_tokens")
+        kwargs = budget | (self.chat_template_kwargs or {}) | ({"tools": self.tools} if self.tools else {})
+        return {"messages": tool_calls.template_messages(messages), "chat_template_kwargs": kwargs}
+
+    def output_syntax(self, engine: Engine, prompt: dict, reasoning_format: str) -> chat_output.Syntax:
+        """How this request's output is read (reasoning, tool calls); a request that cannot be served raises
+        APIError."""
+        fmt = self.reasoning_format or reasoning_format
+        try:
+            reasoning.check_format(fmt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="reasoning_format")
+        try:
+            tool_calls.check_choice(self.tool_choice, self.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice")
+        try:
+            text = engine.chat_prompt(prompt["messages"], prompt["chat_template_kwargs"])
+        except ValueError as e:  # the template's own errors
+            raise APIError(400, str(e))
+        try:
+            return chat_output.syntax_for(engine.chat_template, text, fmt, self.tools, self.tool_choice,
+                                          self.parallel_tool_calls)
+        except ValueError as e:  # tools for a model whose call syntax is unknown
+            raise APIError(400, str(e), param="tools")
 
 
 class CompletionRequest(GenerationRequest):
@@ -121,24 +154,29 @@ def response_head(chat: bool, model: str) -> dict:
             "created": int(time.time()), "model": model}
 
 
-def completion_body(head: dict, done: Finished, chat: bool) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason(done), "logprobs": None}
-    if chat:
+def completion_body(head: dict, done: Finished, message: chat_output.Message | None) -> dict:
+    """A whole response: a chat completion when given the assistant's message, else a text completion."""
+    choice = {"index": 0, "finish_reason": finish_reason(done, message), "logprobs": None}
+    if message is not None:
         head = {**head, "object": "chat.completion"}
-        choice["message"] = {"role": "assistant", "content": done.text}
+        choice["message"] = message.wire()
     else:
         choice["text"] = done.text
     return {**head, "choices": [choice], "usage": usage_of(done), "timings": timings_of(done)}
 
 
-def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False,
+                 delta: dict | None = None) -> dict:
+    """A stream chunk's choice: a chat chunk's delta is the one given, or else the text as content."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        delta = {"role": "assistant", "content": ""} if first else delta or ({"content": text} if text else {})
         return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
 
-def finish_reason(done: Finished) -> str:
+def finish_reason(done: Finished, message: chat_output.Message | None = None) -> str:
+    if message is not None and message.calls:
+        return "tool_calls"
     return "length" if done.summary.finish_reason in ("length", "context_full") else "stop"
 
 

@@ -7,9 +7,11 @@ import json
 import time
 
 from .api_models import chunk_choice, finish_reason, timings_of, usage_of
+from .chat_output import Stream
 from .engine import Finished, TextDelta
 from .metrics import Metrics
 from .runner import Job
+from .tool_calls import ToolChoiceError
 
 KEEPALIVE_SECONDS = 10.0
 
@@ -18,7 +20,10 @@ def frame(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def sse_events(job: Job, head: dict, chat: bool, include_usage: bool, metrics: Metrics, t0: float):
+async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage: bool, metrics: Metrics, t0: float):
+    """The events of a chat completion (read by `stream`: reasoning, content and tool call deltas) or, with stream
+    None, of a text completion."""
+    chat = stream is not None
     finished = False
     try:
         if chat:
@@ -34,13 +39,25 @@ async def sse_events(job: Job, head: dict, chat: bool, include_usage: bool, metr
                 break
             if ev is None:
                 break
-            if isinstance(ev, TextDelta):
+            if isinstance(ev, TextDelta) and chat:
+                for delta in stream.feed(ev.text):  # nothing while the text may still be the start of a marker
+                    yield frame({**head, "choices": [chunk_choice(chat, None, None, delta=delta)]})
+            elif isinstance(ev, TextDelta):
                 yield frame({**head, "choices": [chunk_choice(chat, ev.text, None)]})
             elif isinstance(ev, Finished):
                 finished = True
                 metrics.add(ev.summary, time.perf_counter() - t0)
-                yield frame({**head, "choices": [chunk_choice(chat, None, finish_reason(ev))],
-                             "timings": timings_of(ev)})
+                if chat:
+                    try:
+                        deltas = stream.close()
+                    except ToolChoiceError as e:  # the output does not meet the request's tool_choice
+                        yield frame({"error": {"message": str(e), "type": "server_error", "param": None,
+                                               "code": "tool_choice_not_met"}})
+                        break
+                    for delta in deltas:
+                        yield frame({**head, "choices": [chunk_choice(chat, None, None, delta=delta)]})
+                finish = finish_reason(ev, stream.sent if chat else None)
+                yield frame({**head, "choices": [chunk_choice(chat, None, finish)], "timings": timings_of(ev)})
                 if include_usage:
                     yield frame({**head, "choices": [], "usage": usage_of(ev)})
         yield "data: [DONE]\n\n"

@@ -224,9 +224,13 @@ def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
     if not with_plot:
         print(NO_PLOT, file=sys.stderr)
     prompts = load_prompts(args.prompts)
+    if args.reasoning != "auto" and not any("messages" in row for row in prompts):
+        raise ValueError("--reasoning sets enable_thinking in the chat template: it needs chat prompts ('messages' "
+                         "rows in --prompts)")
     engine = load_engine()
     result = run_bench(engine, prompts, args.max_tokens, peer=not args.no_peer,
                        log=lambda m: print(m, file=sys.stderr))
+    result["overall"]["reasoning"] = args.reasoning  # thinking on/off for the chat prompts, or the template's default
     write_outputs(result, Path(args.out), with_plot)
     print(markdown(result))
     if not with_plot:

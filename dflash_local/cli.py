@@ -68,6 +68,38 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
                    help='extra chat template variables, e.g. \'{"enable_thinking": false}\'')
 
 
+def _budget(text: str) -> int:
+    from .reasoning import budget_kwargs
+
+    try:
+        budget_kwargs(int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return int(text)
+
+
+def _reasoning_args(p: argparse.ArgumentParser, server: bool) -> None:
+    p.add_argument("-rea", "--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="thinking on or off for templates that read enable_thinking (default auto: the template's "
+                        "own default)")
+    if server:
+        p.add_argument("--reasoning-format", choices=["auto", "deepseek", "deepseek-legacy", "none"], default="auto",
+                       help="deepseek (and auto): reasoning apart in reasoning_content; none: left in the content; "
+                            "deepseek-legacy: both")
+        p.add_argument("--reasoning-budget", type=_budget, default=-1, metavar="N",
+                       help="-1: unrestricted (default); 0: no thinking (enable_thinking=false)")
+
+
+def _template_kwargs(args) -> dict:
+    """The chat template variables for every prompt: -rea and --reasoning-budget, under --chat-template-kwargs."""
+    from .reasoning import budget_kwargs
+
+    kwargs = budget_kwargs(getattr(args, "reasoning_budget", -1))
+    if getattr(args, "reasoning", "auto") != "auto":
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    return kwargs | (getattr(args, "chat_template_kwargs", None) or {})
+
+
 def _pair(args):
     """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
     from .models import default_drafter, default_target
@@ -95,7 +127,7 @@ def _load_engine(args):
         draft_policy=args.draft_policy,
         verbose=args.verbose,
         chat_template=getattr(args, "chat_template", None),  # bench has no chat options
-        chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
+        chat_template_kwargs=_template_kwargs(args),
     )
 
 
@@ -283,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens to generate for a request that sets no max_tokens (default 2048; -1: until the "
                    "context is full)")
     _chat_args(s)
+    _reasoning_args(s, server=True)
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tui", help="chat in the terminal with live tokens/s and acceptance")
     _engine_args(t)
     _chat_args(t)
+    _reasoning_args(t, server=False)
     t.set_defaults(func=cmd_tui)
 
     b = sub.add_parser("bench", help="baseline vs DFlash on a prompt set: speed, acceptance, costs")
@@ -296,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-n", "--max-tokens", type=int, default=256)
     b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
+    _reasoning_args(b, server=False)
     b.set_defaults(func=cmd_bench)
 
     # convert, inspect and pull keep their options beside their code; those modules need only the core dependencies

@@ -300,8 +300,12 @@ class Engine:
         seed: int | None = None,
         draft: bool = True,
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
+        preserved_tokens: list[str] | tuple[str, ...] = (),
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
+
+        preserved_tokens: control tokens (such as gpt-oss's "<|channel|>") that the output shows as text, for a chat
+        format's parser; strings that are not one token of this vocabulary are ignored.
 
         external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
         tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
@@ -314,22 +318,28 @@ class Engine:
             raise ValueError("stop must be a string or a list of strings")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
+        shown = set()
+        for text in preserved_tokens:
+            one = self.target.tokenize(text, False, True)
+            if len(one) == 1:
+                shown.add(one[0])
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), params, drafter)
+            yield from self._generate(ids, max_tokens, list(stop), params, drafter, frozenset(shown))
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None,
+                  shown: frozenset[int]) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s, sampling = self.session, params.native()
         policy = self._policy_for(self.block_size - 1 if drafter else 0)
         tracker = StatsTracker(max(self.block_size, 2) if drafter else 1)
-        out = Output(self.target, stop, max_tokens)
+        out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)
         try:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from . import chat_output
 from .api_errors import APIError, install_error_handlers
 from .api_models import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
 from .api_props import model_card, props
@@ -26,6 +27,7 @@ from .api_tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .engine import Engine, Finished
 from .metrics import Metrics
 from .runner import Job, QueueFullError, Runner
+from .tool_calls import ToolChoiceError
 
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
 # does not run on to the end of the context (README, "Server")
@@ -35,8 +37,10 @@ N_PREDICT = 2048
 class State:
     """What the app holds (the engine once loaded, or the loading error), and the checks every request goes through."""
 
-    def __init__(self, alias: str, api_key: str | None, max_queue: int, n_predict: int):
+    def __init__(self, alias: str, api_key: str | None, max_queue: int, n_predict: int,
+                 reasoning_format: str = "auto"):
         self.alias = alias
+        self.reasoning_format = reasoning_format
         self.api_key = api_key
         self.max_queue = max_queue
         self.n_predict = n_predict
@@ -80,8 +84,8 @@ class State:
 
 
 def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | None = None,
-               max_queue: int = 32, n_predict: int = N_PREDICT) -> FastAPI:
-    state = State(alias, api_key, max_queue, n_predict)
+               max_queue: int = 32, n_predict: int = N_PREDICT, reasoning_format: str = "auto") -> FastAPI:
+    state = State(alias, api_key, max_queue, n_predict, reasoning_format)
 
     async def lifespan(app):
         def load():
@@ -149,19 +153,26 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         engine = state.admit(request, body)
-        return await respond(state, engine, body, request, body.prompt_kwargs(), chat=True)
+        prompt = body.prompt_kwargs()
+        syntax = body.output_syntax(engine, prompt, state.reasoning_format)
+        return await respond(state, engine, body, request, prompt, syntax)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = state.admit(request, body)
-        return await respond(state, engine, body, request, body.prompt_kwargs(), chat=False)
+        return await respond(state, engine, body, request, body.prompt_kwargs(), None)
 
     return app
 
 
-async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request, prompt: dict, chat: bool):
-    """Queue the generation; stream its chunks, or wait for it and answer with the whole completion."""
+async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request, prompt: dict,
+                  syntax: chat_output.Syntax | None):
+    """Queue the generation; stream its chunks, or wait for it and answer with the whole completion. `syntax` reads
+    a chat completion's output (None for a text completion)."""
+    chat = syntax is not None
     kwargs = body.generate_kwargs(engine, prompt, "messages" if chat else "prompt", state.n_predict)
+    if chat:
+        kwargs["preserved_tokens"] = syntax.preserved
     try:
         job = state.runner.submit(**kwargs)
     except QueueFullError as e:
@@ -171,7 +182,9 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     t0 = time.perf_counter()
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(sse_events(job, head, chat, usage, state.metrics, t0), media_type="text/event-stream",
+        stream = chat_output.Stream(syntax) if chat else None
+        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(watch_disconnect(request, job))
     done = None
@@ -189,7 +202,11 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
         state.metrics.cancelled += 1
         return JSONResponse({}, status_code=499)
     state.metrics.add(done.summary, time.perf_counter() - t0)
-    return completion_body(head, done, chat)
+    try:
+        message = chat_output.finish(syntax, done.text) if chat else None
+    except ToolChoiceError as e:
+        raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
+    return completion_body(head, done, message)
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:
@@ -204,7 +221,7 @@ def serve(args, load_engine: Callable[[], Engine], alias: str) -> int:
     import uvicorn
 
     n_predict = N_PREDICT if args.n_predict is None else args.n_predict
-    app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict)
+    app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict, args.reasoning_format)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     server = uvicorn.Server(config)
     state = app.state.dflash

@@ -5,6 +5,18 @@ from __future__ import annotations
 import codecs
 
 
+def partial_suffix(text: str, markers) -> int:
+    """Length of the longest tail of `text` that begins one of `markers` (and is not all of it): text a stream must
+    hold back until the next piece says whether the marker follows."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if m.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
 class TextStream:
     def __init__(self, stop: list[str] | tuple[str, ...] = ()):
         self.stop = [s for s in stop if s]
@@ -34,29 +46,21 @@ class TextStream:
         elif final:
             out, self._held = self._held, ""
         else:
-            keep = self._partial_stop_suffix()
+            keep = partial_suffix(self._held, self.stop)
             out = self._held[: len(self._held) - keep]
             self._held = self._held[len(out) :]
         self.text += out
         return out
 
-    def _partial_stop_suffix(self) -> int:
-        """Length of the longest tail of the held text that begins some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self._held)), best, -1):
-                if s.startswith(self._held[-n:]):
-                    best = n
-                    break
-        return best
-
 
 class Output:
     """The generated tokens a caller gets, and their text: they end before an end-of-generation token, at a stop
-    string or at max_tokens; `finish` says which (None while going on)."""
+    string or at max_tokens; `finish` says which (None while going on). Control tokens show as text only where
+    listed in `shown` (as llama-server's preserved tokens: the markers a chat format's parser reads)."""
 
-    def __init__(self, vocab, stop: list[str] | tuple[str, ...], max_tokens: int):
-        self.vocab = vocab  # is_eog(token) -> bool, piece(token) -> bytes
+    def __init__(self, vocab, stop: list[str] | tuple[str, ...], max_tokens: int, shown: frozenset[int] = frozenset()):
+        self.vocab = vocab  # is_eog(token) -> bool, piece(token, special) -> bytes
+        self.shown = shown
         self.max_tokens = max_tokens
         self.stream = TextStream(stop)
         self.ids: list[int] = []
@@ -70,7 +74,7 @@ class Output:
                 self.finish = "eos"
                 break
             self.ids.append(tok)
-            text += self.stream.feed(self.vocab.piece(tok))
+            text += self.stream.feed(self.vocab.piece(tok, tok in self.shown))
             if self.stream.stopped_by is not None:
                 self.finish = "stop"
             elif len(self.ids) >= self.max_tokens:

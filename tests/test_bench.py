@@ -13,7 +13,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
     prompts.write_text(json.dumps({"prompt": "Hello world"}) + "\n" +
                        json.dumps({"messages": [{"role": "user", "content": "def f(x):"}]}) + "\n")
     r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(prompts), "-n", "16",
-                   "--out", str(tmp_path / "out")], tmp_path)
+                   "--out", str(tmp_path / "out"), "--reasoning", "off"], tmp_path)
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     o = result["overall"]
@@ -21,7 +21,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
                 "speedup", "speedup_fixed", "mean_acceptance_length",
                 "lossless", "verify_ms", "draft_ms_per_step", "ideal_speedup", "prompt_lookup_tokens_per_second"):
         assert key in o
-    assert o["lossless"] is True and o["prompts"] == 2
+    assert o["lossless"] is True and o["prompts"] == 2 and o["reasoning"] == "off"
     assert sorted(int(k) for k in o["verify_ms"]) == list(range(1, 9))
     assert len(result["rows"]) == 2 and all(row["lossless"] for row in result["rows"])
     assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
@@ -36,3 +36,24 @@ def test_bench_rejects_bad_prompt_files(tiny_target, tiny_drafter, tmp_path):
     assert r.returncode == 2 and "exactly one of 'prompt' or 'messages'" in r.stderr
     r = run_bench(["-m", str(tiny_target), "--prompts", str(bad)], tmp_path)
     assert r.returncode == 2 and "give a drafter" in r.stderr
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--reasoning", "on"], tmp_path)
+    assert r.returncode == 2
+    assert "--reasoning sets enable_thinking in the chat template: it needs chat prompts" in r.stderr
+
+
+def test_reasoning_flags_become_template_variables():
+    from argparse import Namespace
+
+    from dflash_local.cli import _template_kwargs
+
+    def kwargs(**kw):
+        return _template_kwargs(Namespace(**{"reasoning": "auto", "chat_template_kwargs": None} | kw))
+
+    assert kwargs() == {}
+    assert kwargs(reasoning="off") == {"enable_thinking": False}
+    assert kwargs(reasoning="on") == {"enable_thinking": True}
+    assert kwargs(reasoning_budget=0) == {"enable_thinking": False}
+    assert kwargs(reasoning_budget=-1) == {}
+    # --chat-template-kwargs has the last word
+    assert kwargs(reasoning="off", chat_template_kwargs={"enable_thinking": True, "x": 1}) == \
+        {"enable_thinking": True, "x": 1}

@@ -5,14 +5,19 @@ import contextlib
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from planted import PlantedEngine, cut
 
 from dflash_local import Engine, Finished, StepStats, TextDelta
+from dflash_local.chat import read_template
 from dflash_local.stats import StatsTracker
 from dflash_local.tui.app import ChatApp, Message
 from dflash_local.tui.panels import LivePanel, ModelPanel, devices, position_bars
 from dflash_local.tui.settings import Settings, SettingsScreen
+
+QWEN35 = read_template(Path(__file__).parent / "templates" / "qwen35-like.jinja")
 
 SIZE = (80, 24)
 PROMPT = "def sum(x):"
@@ -272,10 +277,14 @@ class Scripted:
     """An engine stand-in that plays scripted answers: deterministic figures for the picture, and failures."""
 
     has_drafter = True
+    chat_template = None
 
     def __init__(self, *answers):
         self.answers = list(answers)
         self.block_size = 4
+
+    def chat_prompt(self, messages, chat_template_kwargs=None) -> str:
+        return ""
 
     def model_info(self) -> dict:
         return {
@@ -356,6 +365,50 @@ def test_a_prompt_too_long_for_the_context_is_a_notification(engine):
             app.settings.max_tokens = 4
             await ask(pilot, app, "short")  # the chat goes on
             assert app.live.summary.n_generated == 4
+
+    run(main())
+
+
+def test_reasoning_is_folded_above_the_answer_with_its_token_count(tiny_target):
+    """A thinking model's answer (planted at the engine boundary: the tiny model does not think): the reasoning is
+    one folded line with its token count, ctrl+t unfolds it, and the conversation keeps only the answer."""
+    engine = PlantedEngine(Engine(tiny_target, n_ctx=1024, chat_template=QWEN35))
+    engine.pieces = cut("Let me think.\nThe sum of x.\n</think>\n\nsum(x) adds them.", 3)
+    reasoning = "Let me think.\nThe sum of x."
+
+    async def main():
+        app = ChatApp(engine, Settings(max_tokens=8, block_size=1))
+        async with app.run_test(size=SIZE) as pilot:
+            await ask(pilot, app)
+            answer = app.answer
+            assert (answer.reasoning, answer.body) == (reasoning, "sum(x) adds them.")
+            n = len(engine.target.tokenize(reasoning, False, False))
+            assert answer.reasoning_tokens == n > 3
+            shown = text_of(answer)
+            assert f"▸ Thinking · {n} tokens" in shown and "Let me think" not in shown
+            assert shown.endswith("\nsum(x) adds them.")
+            await pilot.press("ctrl+t")
+            assert f"▾ Thinking · {n} tokens\n{reasoning}\nsum(x) adds them." in text_of(answer)
+            await pilot.click("Message.assistant", offset=(4, 1))  # a click folds it again
+            assert "Let me think" not in text_of(answer)
+            assert app.messages[-1] == {"role": "assistant", "content": "sum(x) adds them."}
+            assert "<think>" in engine.requests[-1]["preserved_tokens"]
+
+    run(main())
+
+
+def test_gemma_thinking_in_the_tui(gemma_target, gemma_drafter):
+    """The real generation: with the qwen35-like template the prompt opens <think>, so gemma's words are reasoning."""
+    engine = Engine(gemma_target, gemma_drafter, n_ctx=1024, chat_template=QWEN35)
+
+    async def main():
+        app = ChatApp(engine, Settings(max_tokens=16, block_size=engine.block_size))
+        async with app.run_test(size=SIZE) as pilot:
+            await ask(pilot, app, "Say hello.")
+            want = engine.complete(messages=[{"role": "user", "content": "Say hello."}], max_tokens=16)
+            assert "</think>" not in want.text  # greedy gemma never closes the block within 16 tokens
+            assert app.answer.reasoning == want.text.strip() and app.answer.body == ""
+            assert app.answer.reasoning_tokens > 0 and "Thinking ·" in text_of(app.answer)
 
     run(main())
 

@@ -19,6 +19,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
+from dflash_local.chat_output import Stream, Syntax, syntax_for
 from dflash_local.engine import Finished, TextDelta
 from dflash_local.stats import StepStats
 
@@ -67,15 +68,26 @@ class PromptInput(Input):
 
 
 class Message(Static):
-    """One chat turn: a heading line, then the text."""
+    """One chat turn: a heading line, a thinking model's reasoning (folded: a click or ctrl+t unfolds it), then the
+    text."""
 
     def __init__(self, role: str, heading: str, body: str = ""):
         super().__init__(classes=role)
         self.heading = heading
         self.body = body
         self.note = ""  # after the heading: the answer's figures, or why it ended early
+        self.reasoning = ""
+        self.reasoning_tokens = 0
+        self.folded = True
 
     def on_mount(self) -> None:
+        self.render_text()
+
+    def on_click(self) -> None:
+        self.toggle_reasoning()
+
+    def toggle_reasoning(self) -> None:
+        self.folded = not self.folded
         self.render_text()
 
     def render_text(self) -> None:
@@ -83,7 +95,12 @@ class Message(Static):
         t.append(self.heading, style="bold")
         if self.note:
             t.append(" · " + self.note, style="dim")
-        t.append("\n" + (printable(self.body) or "…"))
+        if self.reasoning:
+            fold = "▸" if self.folded else "▾"
+            t.append(f"\n{fold} Thinking · {self.reasoning_tokens} tokens", style="dim italic")
+            if not self.folded:
+                t.append("\n" + printable(self.reasoning), style="dim")
+        t.append("\n" + (printable(self.body) or ("" if self.reasoning else "…")))
         self.update(t)
 
 
@@ -98,6 +115,7 @@ class ChatApp(App):
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+y", "copy", "Copy answer"),
         Binding("ctrl+o", "settings", "Settings"),
+        Binding("ctrl+t", "toggle_reasoning", "Thinking", show=False),  # the fold line says so; the footer is full
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -114,6 +132,7 @@ class ChatApp(App):
         self.last_answer = ""
         self.busy = False  # from a prompt's send until its Done is drained
         self.answer: Message | None = None  # the answer being streamed
+        self.reader = Stream(Syntax("think", separate=False, inline=True))  # reads the answer's reasoning apart from its text
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.stop_requested = threading.Event()
 
@@ -179,6 +198,12 @@ class ChatApp(App):
         system = self.settings.system_prompt.strip()
         messages = ([{"role": "system", "content": system}] if system else []) + list(self.messages)
         kwargs = dict(messages=messages, draft=drafting, **self.settings.sampling())
+        try:
+            syntax = syntax_for(self.engine.chat_template, self.engine.chat_prompt(messages), "auto", None, None)
+            kwargs["preserved_tokens"] = syntax.preserved
+        except ValueError:  # the prompt cannot be made: the generation fails on the same error and says so
+            syntax = Syntax("think", separate=False, inline=True)
+        self.reader = Stream(syntax)
         self.run_worker(lambda: self.generate(kwargs), thread=True, group="generate")
 
     def generate(self, kwargs: dict) -> None:
@@ -204,14 +229,14 @@ class ChatApp(App):
             except queue.Empty:
                 break
             if isinstance(ev, TextDelta):
-                self.answer.body += ev.text
+                self.read(self.reader.feed(ev.text))
                 self.live.first_text()
                 text = True
             elif isinstance(ev, StepStats):
                 self.live.step(ev)
                 stats = True
             elif isinstance(ev, Finished):
-                self.answer.body = ev.text
+                self.read(self.reader.close())
                 self.live.finish(ev.summary)
                 text = stats = True
             elif isinstance(ev, Done):
@@ -222,6 +247,14 @@ class ChatApp(App):
             self.query_one("#chat", VerticalScroll).scroll_end(animate=False)
         if stats:
             self.refresh_panels()
+
+    def read(self, deltas: list[dict]) -> None:
+        for d in deltas:
+            self.answer.body += d.get("content", "")
+            if "reasoning_content" in d:
+                self.answer.reasoning += d["reasoning_content"]
+                # the reasoning's tokens, counted as the model's vocabulary spells it (no BOS)
+                self.answer.reasoning_tokens = len(self.engine.target.tokenize(self.answer.reasoning, False, False))
 
     def done(self, ev: Done) -> None:
         self.busy = False
@@ -260,6 +293,10 @@ class ChatApp(App):
         mode = "DFlash drafting" if self.draft_next else "plain decoding (the baseline)"
         self.notify(f"Next answer: {mode}.")
         self.refresh_panels()
+
+    def action_toggle_reasoning(self) -> None:
+        if self.answer is not None:
+            self.answer.toggle_reasoning()
 
     def action_new_chat(self) -> None:
         if self.busy:
