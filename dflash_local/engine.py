@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import _native, chat
 from .drafter import Drafter, NativeDrafter, as_drafter
+from .grammar import grammar_of
 from .gguf_file import read_gguf
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
@@ -37,6 +38,9 @@ class EngineBusyError(RuntimeError):
 @dataclass
 class TextDelta:
     text: str
+    # with generate(logprobs=N): the log-probabilities of the tokens this step added to the output (their text may
+    # come in a later delta, held back by a possible stop string or an incomplete UTF-8 character)
+    logprobs: list[_native.TokenLogprob] | None = None
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Finished:
     text: str
     token_ids: list[int]
     summary: Summary
+    logprobs: list[_native.TokenLogprob] | None = None  # one per token of token_ids, with generate(logprobs=N)
 
 
 Event = TextDelta | StepStats | Finished
@@ -267,10 +272,22 @@ class Engine:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
+        logit_bias: dict[int, float] | list | None = None,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        grammar: str | None = None,
+        json_schema: dict | str | None = None,
+        logprobs: int | None = None,
         draft: bool = True,
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
+
+        The sampling controls are llama.cpp's (sampling.py); grammar is GBNF, json_schema a JSON schema the output
+        must follow. logprobs=N reports each generated token's log-probability under the target (the softmax of its
+        logits, before temperature and controls) with the N most likely tokens.
 
         external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
         tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
@@ -281,33 +298,46 @@ class Engine:
             stop = [stop]
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias, repeat_penalty, repeat_last_n,
+                                presence_penalty, frequency_penalty, grammar_of(grammar, json_schema))
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer, got {logprobs!r}")
         ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
+        sampler = params.sampler(self.target, ids, self.n_ctx, logprobs)
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), params, drafter)
+            yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter)
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, sampling, logprobs: bool, drafter: Drafter | None) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
-        s, sampling = self.session, params.native()
+        s = self.session
         policy = self._policy_for(self.block_size - 1 if drafter else 0)
         tracker = StatsTracker(max(self.block_size, 2) if drafter else 1)
         out = Output(self.target, stop, max_tokens)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)
+        emitted_logprobs = [] if logprobs else None
+
+        def delta(text: str, n_before: int) -> TextDelta | None:
+            """The event for one step's text and, when asked, the logprobs of the tokens it kept."""
+            lp = None
+            if logprobs:
+                lp = sampling.take_logprobs()[: len(out.ids) - n_before]
+                emitted_logprobs.extend(lp)
+            return TextDelta(text, lp) if text or lp else None
+
         try:
             t0 = time.perf_counter()
             tokens.append(self._prefill(ids, n_cached, sampling, drafter))
             prompt_ms = (time.perf_counter() - t0) * 1000
-            text = out.add(tokens[-1:])
-            if text:
-                yield TextDelta(text)
+            if ev := delta(out.add(tokens[-1:]), 0):
+                yield ev
 
             while out.finish is None:
                 if s.n_past >= self.n_ctx:
@@ -330,8 +360,8 @@ class Engine:
                 )
                 tracker.add(stats)
                 policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms, r.sample_ms)
-                if text:
-                    yield TextDelta(text)
+                if ev := delta(text, n_out):
+                    yield ev
                 yield stats
 
             tail = out.stream.flush()
@@ -345,7 +375,7 @@ class Engine:
                 n_generated=len(out.ids),
                 prompt_ms=prompt_ms,
             )
-            yield Finished(out.stream.text, list(out.ids), summary)
+            yield Finished(out.stream.text, list(out.ids), summary, emitted_logprobs)
         finally:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
             self.cache.record(s, tokens, captured=drafter is not None)
@@ -365,7 +395,7 @@ class Engine:
         s = self.session
         for off in range(n_cached, len(ids), PREFILL_CHUNK):  # features() holds the last chunk's rows only
             chunk = ids[off : off + PREFILL_CHUNK]
-            first = s.prefill(chunk, sampling, 0)
+            first = s.prefill(chunk, sampling if off + PREFILL_CHUNK >= len(ids) else None, 0)
             if drafter:
                 drafter.extend(s, off, len(chunk))
         return first

@@ -656,6 +656,262 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Sampler: one generation's sampling state. Besides the Sampling parameters it holds the controls llama.cpp's common
+// sampler applies before them (a grammar, logit biases, repetition penalties over a window of recent tokens) and
+// their state. It only ever takes in emitted tokens: the prompt (penalties only, as llama-server does) and each
+// sampled token, in order. A verify row is sampled after the rows before it, whose tokens were emitted (a row is only
+// sampled while the draft before it matched), so every row sees exactly the state plain decoding would: the output
+// stays token-identical, and a rejected draft leaves nothing to roll back.
+
+struct Penalties {
+    int   last_n  = 64;    // the window: the last last_n tokens (0 = off)
+    float repeat  = 1.0f;  // 1 = off
+    float freq    = 0.0f;
+    float present = 0.0f;
+
+    bool active() const { return last_n != 0 && (repeat != 1.0f || freq != 0.0f || present != 0.0f); }
+};
+
+struct TokenLogprob {
+    llama_token token;
+    float       logprob;
+    std::vector<std::pair<llama_token, float>> top;  // the most likely tokens of the row, best first
+};
+
+// A second uniform per generated token, independent of uniform(seed, index): the redraw after a grammar refusal.
+static uint64_t second_seed(uint64_t seed) {
+    uint64_t z = seed ^ 0xD1B54A32D192ED03ull;
+    z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDull;
+    z = (z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53ull;
+    return z ^ (z >> 33);
+}
+
+class Sampler {
+public:
+    // The plain sampler: the Sampling parameters and no controls.
+    Sampler(const Model & target, Sampling params) : params(params), n_vocab(target.n_vocab()), vocab(target.vocab) {}
+
+    Sampler(const Model & target, Sampling params, std::vector<std::pair<llama_token, float>> logit_bias,
+            Penalties penalties, const std::vector<llama_token> & prompt, const std::string & grammar_text,
+            int n_logprobs)
+        : Sampler(target, params) {
+        for (const auto & [tok, b] : logit_bias) {
+            check_token(tok);
+            if (std::isnan(b) || b == INFINITY) {
+                throw std::invalid_argument("a logit bias must be a number or -inf");
+            }
+        }
+        if (penalties.last_n < 0) {
+            throw std::invalid_argument("repeat_last_n must be >= 0");
+        }
+        if (!(penalties.repeat > 0.0f) || !std::isfinite(penalties.repeat) || !std::isfinite(penalties.freq) ||
+            !std::isfinite(penalties.present)) {
+            throw std::invalid_argument("repeat_penalty must be a number > 0, and the other penalties finite numbers");
+        }
+        for (llama_token t : prompt) {
+            check_token(t);
+        }
+        bias = std::move(logit_bias);
+        pen  = penalties;
+        n_top = n_logprobs;
+        const size_t from = prompt.size() > (size_t) pen.last_n ? prompt.size() - pen.last_n : 0;
+        for (size_t i = from; pen.active() && i < prompt.size(); ++i) {
+            remember(prompt[i]);
+        }
+        if (!grammar_text.empty()) {
+            LogScope log(false);
+            grammar = llama_sampler_init_grammar(vocab, grammar_text.c_str(), "root");
+            if (!grammar) {
+                std::string why;
+                for (auto & line : log.tail) {
+                    why += line;
+                }
+                while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) {
+                    why.pop_back();
+                }
+                throw std::invalid_argument("the grammar does not parse" + (why.empty() ? "" : ": " + why));
+            }
+        }
+    }
+
+    ~Sampler() {
+        if (grammar) {
+            llama_sampler_free(grammar);
+        }
+    }
+    Sampler(const Sampler &) = delete;
+    Sampler & operator=(const Sampler &) = delete;
+
+    bool has_grammar() const { return grammar != nullptr; }
+
+    // Sample generated token number `index` from a target row, and take it in.
+    llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
+        const llama_token t = pick(logits, index, cand);
+        if (n_top >= 0) {
+            logprobs.push_back(logprob_of(logits, t));
+        }
+        if (pen.active()) {
+            remember(t);
+        }
+        if (grammar) {
+            accept(grammar, t);
+        }
+        return t;
+    }
+
+    // How many tokens at the start of `draft` the grammar allows, on a copy of its state.
+    size_t grammar_prefix(const std::vector<llama_token> & draft) const {
+        if (!grammar || draft.empty()) {
+            return draft.size();
+        }
+        llama_sampler * g = llama_sampler_clone(grammar);
+        size_t n = 0;
+        while (n < draft.size() && allows(g, draft[n])) {
+            accept(g, draft[n++]);
+        }
+        llama_sampler_free(g);
+        return n;
+    }
+
+    std::vector<TokenLogprob> take_logprobs() { return std::exchange(logprobs, {}); }
+
+private:
+    Sampling params;
+    int n_vocab;
+    const llama_vocab * vocab;
+    std::vector<std::pair<llama_token, float>> bias;
+    Penalties pen;
+    std::deque<llama_token> window;                    // the last pen.last_n tokens
+    std::vector<std::pair<llama_token, int>> counts;   // how often each token occurs in the window
+    llama_sampler * grammar = nullptr;
+    int n_top = -1;                                    // top logprobs to report per token (-1 = no logprobs)
+    std::vector<TokenLogprob> logprobs;                // for the tokens sampled since the last take_logprobs()
+    std::vector<float> row;                            // the row with biases and penalties applied
+    std::vector<llama_token_data> cur;                 // the row as the grammar sees it
+    std::vector<float> kept;                           // the logits the grammar keeps, in vocabulary order
+    std::vector<llama_token> kept_ids;
+
+    void check_token(llama_token t) const {
+        if (t < 0 || t >= n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary (0.." +
+                                    std::to_string(n_vocab - 1) + ")");
+        }
+    }
+
+    // As llama.cpp's common sampler: draw without the grammar; if the grammar refuses that token, apply it to the
+    // whole row and draw again (with an independent uniform, so the result follows the constrained distribution).
+    llama_token pick(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
+        const float * x = logits;
+        if (!bias.empty() || pen.active()) {
+            row.assign(logits, logits + n_vocab);
+            for (const auto & [tok, b] : bias) {
+                row[tok] += b;
+            }
+            for (const auto & [tok, count] : counts) {
+                float & l = row[tok];
+                l = l <= 0 ? l * pen.repeat : l / pen.repeat;
+                l -= float(count) * pen.freq + pen.present;
+            }
+            x = row.data();
+        }
+        const llama_token t = sample_row(x, n_vocab, params, index, cand);
+        if (!grammar || allows(grammar, t)) {
+            return t;
+        }
+        cur.resize(n_vocab);
+        for (int i = 0; i < n_vocab; ++i) {
+            cur[i] = {i, x[i], 0.0f};
+        }
+        llama_token_data_array arr{cur.data(), (size_t) n_vocab, -1, false};
+        llama_sampler_apply(grammar, &arr);
+        kept.clear();
+        kept_ids.clear();
+        for (size_t i = 0; i < arr.size; ++i) {
+            if (arr.data[i].logit != -INFINITY) {
+                kept.push_back(arr.data[i].logit);
+                kept_ids.push_back(arr.data[i].id);
+            }
+        }
+        if (kept.empty()) {
+            fail("the grammar allows no token here");
+        }
+        Sampling redraw = params;
+        redraw.seed = second_seed(params.seed);
+        return kept_ids[sample_row(kept.data(), (int) kept.size(), redraw, index, cand)];
+    }
+
+    static bool allows(llama_sampler * g, llama_token t) {
+        llama_token_data one{t, 1.0f, 0.0f};
+        llama_token_data_array arr{&one, 1, -1, false};
+        llama_sampler_apply(g, &arr);
+        return arr.data[0].logit != -INFINITY;
+    }
+
+    // Only for a token allows() passed: llama.cpp aborts on an end-of-generation token its grammar does not allow.
+    static void accept(llama_sampler * g, llama_token t) {
+        try {
+            llama_sampler_accept(g, t);
+        } catch (const std::exception & e) {
+            fail(std::string("the grammar refused token ") + std::to_string(t) + ": " + e.what());
+        }
+    }
+
+    // llama.cpp's penalties sampler: a window of the last last_n tokens and their counts.
+    void remember(llama_token t) {
+        if ((int) window.size() >= pen.last_n) {
+            const llama_token old = window.front();
+            window.pop_front();
+            auto it = std::find_if(counts.begin(), counts.end(), [&](const auto & c) { return c.first == old; });
+            if (--it->second == 0) {
+                *it = counts.back();
+                counts.pop_back();
+            }
+        }
+        window.push_back(t);
+        auto it = std::find_if(counts.begin(), counts.end(), [&](const auto & c) { return c.first == t; });
+        if (it == counts.end()) {
+            counts.emplace_back(t, 1);
+        } else {
+            ++it->second;
+        }
+    }
+
+    // The log-softmax of the target's row (before temperature and controls, as llama-server reports by default) at
+    // the sampled token, and its n_top most likely tokens.
+    TokenLogprob logprob_of(const float * logits, llama_token t) const {
+        float lo, hi;
+        logit_range(logits, n_vocab, lo, hi);
+        double z = 0.0;
+        for (int i = 0; i < n_vocab; ++i) {
+            z += std::exp((double) logits[i] - hi);
+        }
+        const double log_z = hi + std::log(z);
+        TokenLogprob r{t, (float) (logits[t] - log_z), {}};
+        // a min-heap of the best n_top seen, in the one order the sampler uses (higher logit, then lower id)
+        auto better = [&](llama_token a, llama_token b) {
+            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+        };
+        std::vector<llama_token> heap;
+        const size_t n = std::min<size_t>(n_top, n_vocab);
+        for (int i = 0; i < n_vocab && n > 0; ++i) {
+            if (heap.size() < n) {
+                heap.push_back(i);
+                std::push_heap(heap.begin(), heap.end(), better);
+            } else if (better(i, heap.front())) {
+                std::pop_heap(heap.begin(), heap.end(), better);
+                heap.back() = i;
+                std::push_heap(heap.begin(), heap.end(), better);
+            }
+        }
+        std::sort(heap.begin(), heap.end(), better);
+        for (llama_token i : heap) {
+            r.top.emplace_back(i, (float) (logits[i] - log_z));
+        }
+        return r;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
 // Session: target context, optional drafter context, and the speculative step.
 
 struct Draft {
@@ -703,6 +959,7 @@ public:
     std::atomic<bool> verbose;  // print llama.cpp's log during this session's calls
 
     int n_past() const { return past; }
+    const Model & target() const { return tgt; }
     int context_size() const { return n_ctx; }
     bool has_drafter() const { return ctx_dft != nullptr; }
     bool uses_layer_api() const { return layer_api; }
@@ -724,8 +981,8 @@ public:
     }
 
     // Decode tokens after the cached ones, feed their features to the drafter and sample the next token
-    // (generated token number `index`).
-    llama_token prefill(const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+    // (generated token number `index`); without a sampler (a prompt chunk before the last), sample nothing: -1.
+    llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index) {
         if (tokens.empty()) {
             throw std::invalid_argument("prefill needs at least one token");
         }
@@ -743,7 +1000,10 @@ public:
                 }
                 past += (int) n;
             }
-            return sample_row(logits_row(ctx_tgt, -1, "target"), tgt.n_vocab(), s, index, cand);
+            if (!s) {
+                return LLAMA_TOKEN_NULL;
+            }
+            return s->next(logits_row(ctx_tgt, -1, "target"), index, cand);
         });
     }
 
@@ -765,7 +1025,8 @@ public:
 
     // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
     // not yet in the caches.
-    StepResult step(llama_token last, const std::vector<llama_token> & draft, const Sampling & s, uint64_t index) {
+    // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
+    StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index) {
         check_tokens({last});
         check_tokens(draft);
         if (past + 1 > n_ctx) {
@@ -1021,13 +1282,14 @@ private:
         }
     }
 
-    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
+    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
                               uint64_t index) {
         const auto t_step = std::chrono::steady_clock::now();
         StepResult r;
         // never verify past the end of the context or the batch
         const int room = std::min(n_ctx - past - 1, n_batch - 1);
         r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
+        r.draft.resize(s.grammar_prefix(r.draft));  // a draft token the grammar refuses could never be accepted
 
         std::vector<llama_token> block;
         block.reserve(r.draft.size() + 1);
@@ -1040,10 +1302,9 @@ private:
 
         // accept while the target's own choice equals the draft; the first disagreement is the target's token
         const auto t_sample = std::chrono::steady_clock::now();
-        const int n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
-            const llama_token t = sample_row(logits_row(ctx_tgt, a, "target"), n_vocab, s, index + a, cand);
+            const llama_token t = s.next(logits_row(ctx_tgt, a, "target"), index + a, cand);
             r.tokens.push_back(t);
             if (a == (int) r.draft.size() || t != r.draft[a]) {
                 break;
@@ -1244,6 +1505,11 @@ PYBIND11_MODULE(_native, m) {
         return sample_row(logits.data(), (int) logits.size(), s, index, cand);
     }, "Sample one token from a logits row exactly as the native step does.");
 
+    py::class_<TokenLogprob>(m, "TokenLogprob")
+        .def_readonly("token", &TokenLogprob::token)
+        .def_readonly("logprob", &TokenLogprob::logprob)
+        .def_readonly("top", &TokenLogprob::top);
+
     py::class_<Model>(m, "Model")
         .def(py::init<const std::string &, int, bool, bool>(), py::arg("path"), py::arg("n_gpu_layers") = 0,
              py::arg("repack") = false, py::arg("verbose") = false,
@@ -1269,6 +1535,21 @@ PYBIND11_MODULE(_native, m) {
             llama_model_desc(mm.model, buf, sizeof(buf));
             return std::string(buf);
         });
+
+    py::class_<Sampler>(m, "Sampler")
+        .def(py::init([](const Model & target, Sampling params, std::vector<std::pair<llama_token, float>> logit_bias,
+                         int repeat_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
+                         const std::vector<llama_token> & prompt, const std::string & grammar, int n_logprobs) {
+                 const Penalties pen{repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty};
+                 return new Sampler(target, params, std::move(logit_bias), pen, prompt, grammar, n_logprobs);
+             }),
+             py::arg("target"), py::arg("sampling"), py::arg("logit_bias") = std::vector<std::pair<llama_token, float>>{},
+             py::arg("repeat_last_n") = 64, py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f,
+             py::arg("presence_penalty") = 0.0f, py::arg("prompt") = std::vector<llama_token>{},
+             py::arg("grammar") = "", py::arg("n_logprobs") = -1, py::keep_alive<1, 2>())
+        .def_property_readonly("has_grammar", &Sampler::has_grammar)
+        .def("grammar_prefix", &Sampler::grammar_prefix)
+        .def("take_logprobs", &Sampler::take_logprobs);
 
     py::class_<Draft>(m, "Draft")
         .def_readonly("tokens", &Draft::tokens)
@@ -1300,11 +1581,21 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
         .def("set_capture", &Session::set_capture)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
-        .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampling"), py::arg("index"),
+        .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
+        .def("prefill", [](Session & ss, const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+                 Sampler plain(ss.target(), s);
+                 return ss.prefill(tokens, &plain, index);
+             }, py::arg("tokens"), py::arg("sampling"), py::arg("index"), py::call_guard<py::gil_scoped_release>())
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
              py::call_guard<py::gil_scoped_release>())
-        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
+        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
+                        uint64_t index) {
+                 Sampler plain(ss.target(), s);
+                 return ss.step(last, draft, plain, index);
+             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
         .def("logits", &Session::logits)
