@@ -6,8 +6,9 @@ import asyncio
 import json
 import time
 
+from .api_logprobs import logprobs_body
 from .api_models import chunk_choice, finish_reason, timings_of, usage_of
-from .engine import Finished, TextDelta
+from .engine import Engine, Finished, TextDelta
 from .metrics import Metrics
 from .runner import Job
 
@@ -18,8 +19,10 @@ def frame(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def sse_events(job: Job, head: dict, chat: bool, include_usage: bool, metrics: Metrics, t0: float):
+async def sse_events(job: Job, head: dict, chat: bool, include_usage: bool, metrics: Metrics, t0: float,
+                     engine: Engine):
     finished = False
+    n_text = 0  # characters of tokens streamed so far, for completions' text_offset
     try:
         if chat:
             yield frame({**head, "choices": [chunk_choice(chat, None, None, first=True)]})
@@ -35,7 +38,10 @@ async def sse_events(job: Job, head: dict, chat: bool, include_usage: bool, metr
             if ev is None:
                 break
             if isinstance(ev, TextDelta):
-                yield frame({**head, "choices": [chunk_choice(chat, ev.text, None)]})
+                logprobs = logprobs_body(engine, ev.logprobs, chat, n_text)
+                if logprobs and not chat:
+                    n_text = sum(map(len, logprobs["tokens"]), n_text)
+                yield frame({**head, "choices": [chunk_choice(chat, ev.text, None, logprobs=logprobs)]})
             elif isinstance(ev, Finished):
                 finished = True
                 metrics.add(ev.summary, time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .api_errors import APIError, install_error_handlers
+from .api_logprobs import logprobs_body
 from .api_models import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
 from .api_stream import sse_events
 from .engine import Engine, Finished
@@ -135,7 +136,8 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     t0 = time.perf_counter()
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(sse_events(job, head, chat, usage, state.metrics, t0), media_type="text/event-stream",
+        return StreamingResponse(sse_events(job, head, chat, usage, state.metrics, t0, engine),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(watch_disconnect(request, job))
     done = None
@@ -153,7 +155,7 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
         state.metrics.cancelled += 1
         return JSONResponse({}, status_code=499)
     state.metrics.add(done.summary, time.perf_counter() - t0)
-    return completion_body(head, done, chat)
+    return completion_body(head, done, chat, logprobs_body(engine, done.logprobs, chat))
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:

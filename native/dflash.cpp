@@ -832,8 +832,8 @@ private:
                 kept_ids.push_back(arr.data[i].id);
             }
         }
-        if (kept.empty()) {
-            fail("the grammar allows no token here");
+        if (kept.empty()) {  // the grammar asks for text no token spells: the request's fault
+            throw std::invalid_argument("the grammar allows no token here");
         }
         Sampling redraw = params;
         redraw.seed = second_seed(params.seed);
