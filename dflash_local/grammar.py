@@ -4,6 +4,10 @@ grammar itself runs in llama.cpp (the native Sampler)."""
 from __future__ import annotations
 
 import json
+import re
+
+# llama-cpp-python's port lets a string hold raw control characters, which JSON forbids; llama.cpp's converter does not
+_CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
 def json_schema_grammar(schema: dict | str) -> str:
@@ -19,9 +23,10 @@ def json_schema_grammar(schema: dict | str) -> str:
         raise ValueError("a JSON schema must be a JSON object")
     schema = schema or {"type": "object"}
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        gbnf = json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # the converter raises whatever it meets: unsupported or broken schemas
         raise ValueError(f"the JSON schema cannot be turned into a grammar: {e}") from None
+    return re.sub(r"^char ::= .*$", lambda _: _CHAR_RULE, gbnf, count=1, flags=re.M)
 
 
 def grammar_of(grammar: str | None, json_schema: dict | str | None) -> str | None:
