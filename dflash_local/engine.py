@@ -314,7 +314,7 @@ class Engine:
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, sampling, logprobs: bool, drafter: Drafter | None) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s = self.session
         policy = self._policy_for(self.block_size - 1 if drafter else 0)
@@ -328,13 +328,13 @@ class Engine:
             """The event for one step's text and, when asked, the logprobs of the tokens it kept."""
             lp = None
             if logprobs:
-                lp = sampling.take_logprobs()[: len(out.ids) - n_before]
+                lp = sampler.take_logprobs()[: len(out.ids) - n_before]
                 emitted_logprobs.extend(lp)
             return TextDelta(text, lp) if text or lp else None
 
         try:
             t0 = time.perf_counter()
-            tokens.append(self._prefill(ids, n_cached, sampling, drafter))
+            tokens.append(self._prefill(ids, n_cached, sampler, drafter))
             prompt_ms = (time.perf_counter() - t0) * 1000
             if ev := delta(out.add(tokens[-1:]), 0):
                 yield ev
@@ -345,7 +345,7 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
-                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampling, drafter)
+                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter)
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -390,17 +390,17 @@ class Engine:
                 d.crop(n)
         return n
 
-    def _prefill(self, ids: list[int], n_cached: int, sampling, drafter: Drafter | None) -> int:
+    def _prefill(self, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
         """Decode the prompt after the cached prefix; return the first generated token."""
         s = self.session
         for off in range(n_cached, len(ids), PREFILL_CHUNK):  # features() holds the last chunk's rows only
             chunk = ids[off : off + PREFILL_CHUNK]
-            first = s.prefill(chunk, sampling if off + PREFILL_CHUNK >= len(ids) else None, 0)
+            first = s.prefill(chunk, sampler if off + PREFILL_CHUNK >= len(ids) else None, 0)
             if drafter:
                 drafter.extend(s, off, len(chunk))
         return first
 
-    def _speculate(self, tokens: list[int], k: int, index: int, sampling, drafter: Drafter | None):
+    def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None):
         """One step: the drafter proposes k tokens after `tokens`, the target verifies them (its own token at each
         position is generated token number index + i), the drafter takes the accepted positions' features.
         Returns the native StepResult and the drafter's milliseconds."""
@@ -411,7 +411,7 @@ class Engine:
             proposal = drafter.draft(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
         pos0 = s.n_past
-        r = s.step(tokens[-1], proposal, sampling, index)
+        r = s.step(tokens[-1], proposal, sampler, index)
         draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()
