@@ -1543,7 +1543,8 @@ PYBIND11_MODULE(_native, m) {
                  const Penalties pen{repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty};
                  return new Sampler(target, params, std::move(logit_bias), pen, prompt, grammar, n_logprobs);
              }),
-             py::arg("target"), py::arg("sampling"), py::arg("logit_bias") = std::vector<std::pair<llama_token, float>>{},
+             py::arg("target"), py::arg("sampling"),
+             py::arg("logit_bias") = std::vector<std::pair<llama_token, float>>{},
              py::arg("repeat_last_n") = 64, py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f,
              py::arg("presence_penalty") = 0.0f, py::arg("prompt") = std::vector<llama_token>{},
              py::arg("grammar") = "", py::arg("n_logprobs") = -1, py::keep_alive<1, 2>())

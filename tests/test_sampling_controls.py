@@ -1,5 +1,6 @@
-"""llama.cpp's sampling controls (grammar, JSON schema, logit bias, penalties) and logprobs: DFlash output equals plain
-decoding under each, greedy and seeded, on the tiny target with scripted drafts and on gemma with the shipped drafter."""
+"""llama.cpp's sampling controls (grammar, JSON schema, logit bias, penalties) and logprobs: DFlash output equals
+plain decoding under each, greedy and seeded, on the tiny target with scripted drafts and on gemma with the shipped
+drafter."""
 
 import json
 import shutil
