@@ -26,6 +26,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="device of the PyTorch drafter (with --draft-backend torch)")
     p.add_argument("--draft-policy", choices=["auto", "fixed"], default="auto",
                    help="auto (default): draft as many tokens as a cost model expects to be fastest; fixed: full blocks")
+    p.add_argument("--spec-sampling", choices=["match", "rejection"], default="match",
+                   help="how sampled drafts are verified: match (default: output identical to plain decoding with "
+                   "the same seed) or rejection (speculative sampling with the drafter's distribution: the target's "
+                   "distribution, more drafts accepted at temperatures > 0; llama.cpp drafter only)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target/drafter layers on the GPU (-1: all)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--flash-attn", action="store_true", help="flash attention for the target (faster on GPUs; "
@@ -132,6 +136,7 @@ def _load_engine(args):
         draft_backend=args.draft_backend,
         draft_device=args.draft_device,
         draft_policy=args.draft_policy,
+        spec_sampling=args.spec_sampling,
         flash_attn=args.flash_attn,
         repack=args.repack,
         verbose=args.verbose,

@@ -54,6 +54,11 @@ class Finished:
 Event = TextDelta | StepStats | Finished
 
 
+def _check_spec_sampling(mode: str) -> None:
+    if mode not in ("match", "rejection"):
+        raise ValueError(f"spec sampling must be match or rejection, not {mode!r}")
+
+
 def _file_type(info) -> str:
     from gguf import LlamaFileType
 
@@ -78,6 +83,7 @@ class Engine:
         draft_backend: str = "ggml",
         draft_device: str = "cpu",
         draft_policy: str = "auto",
+        spec_sampling: str = "match",
         flash_attn: bool = False,
         repack: bool = False,
         verbose: bool = False,
@@ -103,6 +109,7 @@ class Engine:
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
         if draft_policy not in ("auto", "fixed"):
             raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
+        _check_spec_sampling(spec_sampling)
         if draft_backend not in ("ggml", "torch"):
             raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
         self.target_info = read_gguf(model)
@@ -159,6 +166,7 @@ class Engine:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = min(block_size or trained, trained)
         self.draft_policy = draft_policy
+        self.spec_sampling = spec_sampling
         self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
         self.cache = PromptCache()
         self._lock = threading.Lock()
@@ -282,6 +290,7 @@ class Engine:
         logprobs: int | None = None,
         draft: bool = True,
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
+        spec_sampling: str | None = None,
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
 
@@ -291,6 +300,11 @@ class Engine:
 
         external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
         tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
+
+        spec_sampling (default: the engine's) verifies sampled drafts by 'match' (the target's own seeded draw must
+        equal the draft token: output identical to plain decoding with the same seed) or 'rejection' (speculative
+        sampling against the llama.cpp drafter's distribution: the target's distribution, not its seeded tokens,
+        and more accepted drafts at temperatures > 0). Greedy decoding is the same under both.
         """
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -307,14 +321,24 @@ class Engine:
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
+        spec_sampling = spec_sampling or self.spec_sampling
+        _check_spec_sampling(spec_sampling)
+        rejection = spec_sampling == "rejection" and drafter is not None and not params.greedy
+        if rejection and not isinstance(drafter, NativeDrafter):
+            raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
+                             "spec sampling (match) with this drafter")
+        if rejection and params.grammar:
+            raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
+                             "(match)")
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter)
+            yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter, rejection)
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None,
+                  rejection: bool = False) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s = self.session
         policy = self._policy_for(self.block_size - 1 if drafter else 0)
@@ -345,7 +369,7 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
-                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter)
+                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter, rejection)
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -400,18 +424,20 @@ class Engine:
                 drafter.extend(s, off, len(chunk))
         return first
 
-    def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None):
+    def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
+                   rejection: bool):
         """One step: the drafter proposes k tokens after `tokens`, the target verifies them (its own token at each
         position is generated token number index + i), the drafter takes the accepted positions' features.
+        Rejection sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses.
         Returns the native StepResult and the drafter's milliseconds."""
         s = self.session
         proposal, draft_ms = [], 0.0
         if k > 0:
             t0 = time.perf_counter()
-            proposal = drafter.draft(tokens, k)
+            proposal = s.draft(tokens[-1], k, False, sampler, index).tokens if rejection else drafter.draft(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
         pos0 = s.n_past
-        r = s.step(tokens[-1], proposal, sampler, index)
+        r = s.step(tokens[-1], proposal, sampler, index, rejection)
         draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()

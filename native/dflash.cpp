@@ -678,9 +678,10 @@ struct TokenLogprob {
     std::vector<std::pair<llama_token, float>> top;  // the most likely tokens of the row, best first
 };
 
-// A second uniform per generated token, independent of uniform(seed, index): the redraw after a grammar refusal.
-static uint64_t second_seed(uint64_t seed) {
-    uint64_t z = seed ^ 0xD1B54A32D192ED03ull;
+// Further uniforms per generated token, independent of uniform(seed, index) and of each other: the redraw after a
+// grammar refusal (stream 0), and rejection sampling's draft draw, acceptance test and residual draw (1, 2, 3).
+static uint64_t second_seed(uint64_t seed, uint64_t stream = 0) {
+    uint64_t z = seed ^ (0xD1B54A32D192ED03ull + stream * 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDull;
     z = (z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53ull;
     return z ^ (z >> 33);
@@ -747,6 +748,117 @@ public:
     // Sample generated token number `index` from a target row, and take it in.
     llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
         const llama_token t = pick(logits, index, cand);
+        take(logits, t);
+        return t;
+    }
+
+    // Rejection sampling (speculative sampling with the drafter's distribution): accept the draft token x, drawn
+    // from the drafter's distribution q, with probability min(1, p(x) / q(x)), p the distribution pick() draws from;
+    // otherwise draw from the residual max(0, p - q), normalised. The result follows p whatever q is. The token is
+    // taken in like next()'s.
+    llama_token judge(const float * logits, llama_token x, const float * q, uint64_t index) {
+        distribution(logits, p);
+        llama_token t = x;
+        if (!(uniform(second_seed(params.seed, 2), index) * q[x] < p[x])) {
+            double z = 0.0;
+            for (int i = 0; i < n_vocab; ++i) {
+                z += std::max(0.0f, p[i] - q[i]);
+            }
+            // z > 0 whenever a rejection is possible (p(x) < q(x)); rounding aside, fall back to p itself
+            const bool residual = z > 0.0;
+            if (!residual) {
+                z = 1.0;
+            }
+            const double target = uniform(second_seed(params.seed, 3), index) * z;
+            double cum = 0.0;
+            t = -1;
+            for (int i = 0; i < n_vocab && t < 0; ++i) {
+                cum += residual ? std::max(0.0f, p[i] - q[i]) : p[i];
+                if (target < cum) {
+                    t = i;
+                }
+            }
+            if (t < 0) {  // the last token with mass, should rounding leave target at the very end
+                for (t = n_vocab - 1; t > 0 && (residual ? p[t] - q[t] : p[t]) <= 0.0f; --t) {}
+            }
+        }
+        take(logits, t);
+        return t;
+    }
+
+    const Sampling & sampling() const { return params; }
+
+    // The distribution pick() draws from, without a grammar: the row with biases and penalties, cut by top-k, top-p
+    // (on the untempered softmax) and min-p, then tempered; probabilities over the vocabulary, 0 outside the cut.
+    void distribution(const float * logits, std::vector<float> & out) {
+        if (grammar || params.temperature <= 0.0f) {
+            throw std::logic_error("rejection sampling needs a temperature > 0 and no grammar");
+        }
+        const float * x = controlled(logits);
+        float lmin, lmax;
+        logit_range(x, n_vocab, lmin, lmax);
+        if (!std::isfinite(lmax)) {
+            fail("no distribution to sample from (NaN or infinite logits)");
+        }
+        const bool  top_k = params.top_k > 0 && params.top_k < n_vocab;
+        const bool  top_p = params.top_p < 1.0f;
+        const float keep  = params.min_p > 0.0f ? lmax + std::log(params.min_p) : -INFINITY;
+        auto better = [&](llama_token a, llama_token b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+        ranked.clear();
+        if (top_k || top_p) {
+            // Top-p alone ranks only the tokens within 40 nats of the best: the rest hold less than e^-40 of the mass
+            // each, so even 10^9 of them cannot matter to a top_p below 1 by a float's precision.
+            const float floor = top_k ? -INFINITY : lmax - 40.0f;
+            for (int i = 0; i < n_vocab; ++i) {
+                if (x[i] >= floor) {
+                    ranked.push_back(i);
+                }
+            }
+            if (top_k && (size_t) params.top_k < ranked.size()) {
+                std::nth_element(ranked.begin(), ranked.begin() + params.top_k, ranked.end(), better);
+                ranked.resize(params.top_k);
+            }
+            std::sort(ranked.begin(), ranked.end(), better);
+            if (top_p) {
+                double z = 0.0;  // over the candidates: the top-k, or the whole vocabulary
+                if (top_k) {
+                    for (llama_token i : ranked) z += std::exp((double) x[i] - lmax);
+                } else {
+                    for (int i = 0; i < n_vocab; ++i) z += std::exp((double) x[i] - lmax);
+                }
+                double cum = 0.0;
+                size_t cut = ranked.size();
+                for (size_t i = 0; i < ranked.size(); ++i) {
+                    cum += std::exp((double) x[ranked[i]] - lmax);
+                    if (cum >= params.top_p * z) {
+                        cut = i + 1;
+                        break;
+                    }
+                }
+                ranked.resize(cut);
+            }
+            while (ranked.size() > 1 && x[ranked.back()] < keep) {
+                ranked.pop_back();
+            }
+        } else {
+            for (int i = 0; i < n_vocab; ++i) {
+                if (x[i] >= keep) {
+                    ranked.push_back(i);
+                }
+            }
+        }
+        out.assign(n_vocab, 0.0f);
+        double zt = 0.0;
+        for (llama_token i : ranked) {
+            zt += temper(x[i], lmax, params.temperature);
+        }
+        for (llama_token i : ranked) {
+            out[i] = (float) (temper(x[i], lmax, params.temperature) / zt);
+        }
+    }
+
+    // Take in an emitted token: its logprobs, the penalty window and the grammar state.
+    void take(const float * logits, llama_token t) {
         if (n_top >= 0) {
             logprobs.push_back(logprob_of(logits, t));
         }
@@ -756,7 +868,6 @@ public:
         if (grammar) {
             accept(grammar, t);
         }
-        return t;
     }
 
     // How many tokens at the start of `draft` the grammar allows, on a copy of its state.
@@ -790,6 +901,8 @@ private:
     std::vector<llama_token_data> cur;                 // the row as the grammar sees it
     std::vector<float> kept;                           // the logits the grammar keeps, in vocabulary order
     std::vector<llama_token> kept_ids;
+    std::vector<float> p;                              // judge(): the target's distribution at the row
+    std::vector<llama_token> ranked;                   // distribution(): the kept tokens, best first when cut
 
     void check_token(llama_token t) const {
         if (t < 0 || t >= n_vocab) {
@@ -801,19 +914,7 @@ private:
     // As llama.cpp's common sampler: draw without the grammar; if the grammar refuses that token, apply it to the
     // whole row and draw again (with an independent uniform, so the result follows the constrained distribution).
     llama_token pick(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
-        const float * x = logits;
-        if (!bias.empty() || pen.active()) {
-            row.assign(logits, logits + n_vocab);
-            for (const auto & [tok, b] : bias) {
-                row[tok] += b;
-            }
-            for (const auto & [tok, count] : counts) {
-                float & l = row[tok];
-                l = l <= 0 ? l * pen.repeat : l / pen.repeat;
-                l -= float(count) * pen.freq + pen.present;
-            }
-            x = row.data();
-        }
+        const float * x = controlled(logits);
         const llama_token t = sample_row(x, n_vocab, params, index, cand);
         if (!grammar || allows(grammar, t)) {
             return t;
@@ -838,6 +939,23 @@ private:
         Sampling redraw = params;
         redraw.seed = second_seed(params.seed);
         return kept_ids[sample_row(kept.data(), (int) kept.size(), redraw, index, cand)];
+    }
+
+    // The row with the logit biases and penalties applied (a copy), or the row itself when there are none.
+    const float * controlled(const float * logits) {
+        if (bias.empty() && !pen.active()) {
+            return logits;
+        }
+        row.assign(logits, logits + n_vocab);
+        for (const auto & [tok, b] : bias) {
+            row[tok] += b;
+        }
+        for (const auto & [tok, count] : counts) {
+            float & l = row[tok];
+            l = l <= 0 ? l * pen.repeat : l / pen.repeat;
+            l -= float(count) * pen.freq + pen.present;
+        }
+        return row.data();
     }
 
     static bool allows(llama_sampler * g, llama_token t) {
@@ -910,6 +1028,31 @@ private:
         return r;
     }
 };
+
+// Draw from softmax(row / temperature) with uniform u, writing that distribution to q (rejection sampling's drafts).
+static llama_token draw_tempered(const float * row, int n_vocab, float temperature, double u, float * q) {
+    float lmin, lmax;
+    logit_range(row, n_vocab, lmin, lmax);
+    if (!std::isfinite(lmax)) {
+        fail("the drafter's logits are not finite");
+    }
+    double z = 0.0;
+    for (int i = 0; i < n_vocab; ++i) {
+        z += temper(row[i], lmax, temperature);
+    }
+    const double target = u * z;
+    double cum = 0.0;
+    llama_token t = -1;
+    for (int i = 0; i < n_vocab; ++i) {
+        const double w = temper(row[i], lmax, temperature);
+        q[i] = (float) (w / z);
+        cum += w;
+        if (t < 0 && target < cum) {
+            t = i;
+        }
+    }
+    return t < 0 ? argmax(row, n_vocab) : t;
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Session: target context, optional drafter context, and the speculative step.
@@ -1009,15 +1152,22 @@ public:
 
     // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
     // caches), at most a block.
-    Draft draft(llama_token last, int n_draft, bool with_probs) {
+    // With a sampler (rejection sampling) each draft token is drawn from the drafter's distribution at the
+    // sampler's temperature instead of taken as its argmax, with the uniform of generated token index + i at draft
+    // position i; the distributions are kept for step(..., rejection = true).
+    Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index) {
         if (!ctx_dft) {
             throw std::logic_error("this session has no llama.cpp drafter");
+        }
+        if (sampler && sampler->sampling().temperature <= 0.0f) {
+            throw std::invalid_argument("sampled drafts need a temperature > 0");
         }
         check_tokens({last});
         return transaction([&] {
             Draft d;
+            q_tokens.clear();
             if (n_draft > 0) {
-                draft_block(last, std::min(n_draft, block_size - 1), with_probs, d);
+                draft_block(last, std::min(n_draft, block_size - 1), with_probs, sampler, index, d);
             }
             return d;
         });
@@ -1026,13 +1176,26 @@ public:
     // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
     // not yet in the caches.
     // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
-    StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index) {
+    // rejection: verify by rejection sampling against the distributions of this session's last sampled draft
+    // (draft() with a sampler), which `draft` must be (a prefix of).
+    StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
+                    bool rejection) {
         check_tokens({last});
         check_tokens(draft);
         if (past + 1 > n_ctx) {
             throw std::length_error("context is full");
         }
-        return transaction([&] { return step_unchecked(last, draft, s, index); });
+        if (rejection) {
+            if (s.has_grammar() || s.sampling().temperature <= 0.0f) {
+                throw std::invalid_argument("rejection sampling needs a temperature > 0 and no grammar");
+            }
+            if (draft.size() > q_tokens.size() || !std::equal(draft.begin(), draft.end(), q_tokens.begin())) {
+                throw std::invalid_argument("rejection sampling verifies the draft this session last sampled");
+            }
+        }
+        StepResult r = transaction([&] { return step_unchecked(last, draft, s, index, rejection); });
+        q_tokens.clear();  // its distributions are spent
+        return r;
     }
 
     // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
@@ -1088,6 +1251,8 @@ private:
     int block_size = 16;
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
+    std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
+    std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
     int n_ctx = 0;
     int n_batch = 0;  // the most tokens one target decode takes
     int n_embd = 0;
@@ -1234,6 +1399,7 @@ private:
             feat_rows = 0;
             n_out = 0;
             draft_rows.clear();
+            q_tokens.clear();
             keep(p0);
             throw;
         }
@@ -1283,7 +1449,7 @@ private:
     }
 
     StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
-                              uint64_t index) {
+                              uint64_t index, bool rejection) {
         const auto t_step = std::chrono::steady_clock::now();
         StepResult r;
         // never verify past the end of the context or the batch
@@ -1300,11 +1466,16 @@ private:
         decode_target(block.data(), (int) block.size(), past, LogitsAll);
         r.verify_ms = ms_since(t1);
 
-        // accept while the target's own choice equals the draft; the first disagreement is the target's token
+        // accept while the target's own choice equals the draft (or, rejection sampling, while it keeps the draft
+        // token); the first disagreement is the target's token
         const auto t_sample = std::chrono::steady_clock::now();
+        const size_t n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
-            const llama_token t = s.next(logits_row(ctx_tgt, a, "target"), index + a, cand);
+            const float * row = logits_row(ctx_tgt, a, "target");
+            const llama_token t = rejection && a < (int) r.draft.size()
+                                      ? s.judge(row, r.draft[a], &q_rows[a * n_vocab], index + a)
+                                      : s.next(row, index + a, cand);
             r.tokens.push_back(t);
             if (a == (int) r.draft.size() || t != r.draft[a]) {
                 break;
@@ -1419,7 +1590,8 @@ private:
     }
 
     // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
-    void draft_block(llama_token last, int n_draft, bool with_probs, Draft & d) {
+    void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                     Draft & d) {
         drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
         // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
@@ -1434,6 +1606,19 @@ private:
             const float * row = logits_row(ctx_dft, i + 1, "drafter");
             if (keep_draft) {
                 draft_rows.insert(draft_rows.end(), row, row + n_vocab);
+            }
+            if (sampler) {
+                const Sampling & sp = sampler->sampling();
+                q_rows.resize((size_t) (i + 1) * n_vocab);
+                float * q = &q_rows[(size_t) i * n_vocab];
+                const llama_token t = draw_tempered(row, n_vocab, sp.temperature,
+                                                    uniform(second_seed(sp.seed, 1), index + i), q);
+                q_tokens.push_back(t);
+                d.tokens.push_back(t);
+                if (with_probs) {
+                    d.probs.push_back(q[t]);
+                }
+                continue;
             }
             const llama_token t = argmax(row, n_vocab);
             d.tokens.push_back(t);
@@ -1589,13 +1774,13 @@ PYBIND11_MODULE(_native, m) {
                  return ss.prefill(tokens, &plain, index);
              }, py::arg("tokens"), py::arg("sampling"), py::arg("index"), py::call_guard<py::gil_scoped_release>())
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
-             py::call_guard<py::gil_scoped_release>())
+             py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::call_guard<py::gil_scoped_release>())
         .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
-             py::call_guard<py::gil_scoped_release>())
+             py::arg("rejection") = false, py::call_guard<py::gil_scoped_release>())
         .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
                         uint64_t index) {
                  Sampler plain(ss.target(), s);
-                 return ss.step(last, draft, plain, index);
+                 return ss.step(last, draft, plain, index, false);
              }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
