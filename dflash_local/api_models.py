@@ -1,5 +1,6 @@
-"""The OpenAI wire format: request bodies (unknown fields are ignored, as OpenAI clients send many), turned into
-Engine.generate's arguments, and the pieces of the response bodies."""
+"""The OpenAI wire format: request bodies (unknown fields are ignored, as OpenAI clients send many; known fields the
+server cannot honour are refused, REFUSED), turned into Engine.generate's arguments, and the pieces of the response
+bodies."""
 
 from __future__ import annotations
 
@@ -7,18 +8,43 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from . import chat_output, reasoning, tool_calls
 from .api_errors import APIError
 from .engine import ContextOverflowError, Engine, Finished
+from .grammar import grammar_of
 from .sampling import SamplingParams
+
+# Request fields this server cannot honour, with the values it can (a field absent or null is always fine). A request
+# setting one otherwise is a 400 naming the field: a client asking for them would otherwise get something it did not
+# ask for, silently. (Fields no OpenAI or llama-server client means anything by are ignored.)
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "only n=1 is supported"),
+    "best_of": ((1,), "only best_of=1 is supported"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    # llama-server's samplers beyond the ones implemented here
+    "mirostat": ((0,), "mirostat sampling is not supported"),
+    "typical_p": ((1, 1.0), "typical sampling is not supported"),
+    "dynatemp_range": ((0, 0.0), "dynamic temperature is not supported"),
+    "xtc_probability": ((0, 0.0), "XTC sampling is not supported"),
+    "dry_multiplier": ((0, 0.0), "DRY sampling is not supported"),
+    "top_n_sigma": ((-1, -1.0), "top-n-sigma sampling is not supported"),
+    "ignore_eos": ((False,), "ignore_eos is not supported"),
+    "n_probs": ((0,), "n_probs is not supported: use logprobs"),
+    "post_sampling_probs": ((False,), "post-sampling probabilities are not supported"),
+}
 
 
 class GenerationRequest(BaseModel):
     """The fields chat and text completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept only to check them against REFUSED
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -29,28 +55,80 @@ class GenerationRequest(BaseModel):
     min_p: float = Field(default=0.0, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = 1
     stream: bool = False
     stream_options: dict | None = None
+    # llama.cpp's controls (sampling.py)
+    logit_bias: dict[str, float | StrictBool] | list[list] | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = Field(default=64, ge=-1, le=2**31 - 1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None  # llama-server: GBNF
+    json_schema: dict[str, Any] | None = None  # llama-server: a JSON schema
+
+    def refuse_unsupported(self) -> None:
+        fields = {**dict(self), **(self.model_extra or {})}
+        for name, (fine, why) in REFUSED.items():
+            if fields.get(name) is not None and fields[name] not in fine:
+                raise APIError(400, why, param=name)
+
+    def grammar_text(self) -> tuple[str | None, str]:
+        """The GBNF grammar asked for (response_format, json_schema or grammar), and the field that asked."""
+        schema, param = self.json_schema, "json_schema"
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                schema, param = rf.get("schema") or schema or {}, "response_format"
+            elif kind == "json_schema":
+                wrapper = rf.get("json_schema")
+                schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
+                schema, param = schema if schema is not None else {}, "response_format"
+            elif kind != "text":
+                raise APIError(400, 'response_format type must be "text", "json_object" or "json_schema"',
+                               param="response_format")
+        if schema is not None and not isinstance(schema, dict):
+            raise APIError(400, "a JSON schema must be a JSON object", param=param)
+        try:
+            return grammar_of(self.grammar, schema), "grammar" if self.grammar is not None else param
+        except ValueError as e:
+            raise APIError(400, str(e), param=param if schema is not None else "grammar")
+
+    def n_logprobs(self) -> int | None:
+        """How many top logprobs per token the response carries (None: no logprobs)."""
+        return None
 
     def generate_kwargs(self, engine: Engine, prompt: dict, prompt_param: str, n_predict: int = -1) -> dict:
         """Engine.generate's arguments for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a value
         the engine would refuse raises APIError. n_predict caps a request that sets no max_tokens (-1: the context's
         end), as llama-server's -n."""
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+        self.refuse_unsupported()
+        grammar, grammar_param = self.grammar_text()
+        controls = dict(logit_bias=self.logit_bias, repeat_penalty=self.repeat_penalty,
+                        repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty)
         try:
             ids = engine.prompt_tokens(**prompt)
-            SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
         except ContextOverflowError as e:
             raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
         except ValueError as e:
             raise APIError(400, str(e))
+        try:
+            params = SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, **controls)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0].rstrip(":"))
+        try:
+            params.grammar = grammar
+            params.sampler(engine.target, [], engine.n_ctx)  # parses the grammar, checks the bias's token ids
+        except ValueError as e:
+            raise APIError(400, str(e), param=grammar_param if grammar else "logit_bias")
         max_tokens = self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0 else
                                                                        engine.n_ctx - len(ids))
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return dict(prompt, max_tokens=max_tokens, stop=stop, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+                    top_p=self.top_p, min_p=self.min_p, seed=self.seed, grammar=grammar, logprobs=self.n_logprobs(),
+                    **controls)
 
 
 class ChatMessage(BaseModel):
@@ -83,19 +161,12 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None  # rendered by the chat template, calls parsed from the output (tool_calls.py)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, over the server's defaults
-    response_format: dict | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _plain_text_only(cls, v):
-        # a JSON mode or schema the output would not follow is refused, never silently dropped
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"type {v.get('type')!r} is not supported yet; only 'text'")
-        return v
     reasoning_format: str | None = None  # over the server's --reasoning-format
     reasoning_budget_tokens: int | None = Field(
         default=None, validation_alias=AliasChoices("reasoning_budget_tokens", "thinking_budget_tokens"))
@@ -131,9 +202,20 @@ class ChatRequest(GenerationRequest):
         except ValueError as e:  # tools for a model whose call syntax is unknown
             raise APIError(400, str(e), param="tools")
 
+    def n_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    def n_logprobs(self) -> int | None:
+        if (self.model_extra or {}).get("top_logprobs") is not None:
+            raise APIError(400, "completions take logprobs: N (top_logprobs is a chat field)", param="top_logprobs")
+        return self.logprobs
 
     def prompt_kwargs(self) -> dict:
         prompt = self.prompt
@@ -154,9 +236,10 @@ def response_head(chat: bool, model: str) -> dict:
             "created": int(time.time()), "model": model}
 
 
-def completion_body(head: dict, done: Finished, message: chat_output.Message | None) -> dict:
+def completion_body(head: dict, done: Finished, message: chat_output.Message | None,
+                    logprobs: dict | None = None) -> dict:
     """A whole response: a chat completion when given the assistant's message, else a text completion."""
-    choice = {"index": 0, "finish_reason": finish_reason(done, message), "logprobs": None}
+    choice = {"index": 0, "finish_reason": finish_reason(done, message), "logprobs": logprobs}
     if message is not None:
         head = {**head, "object": "chat.completion"}
         choice["message"] = message.wire()
@@ -166,12 +249,12 @@ def completion_body(head: dict, done: Finished, message: chat_output.Message | N
 
 
 def chunk_choice(chat: bool, text: str | None, finish: str | None, first: bool = False,
-                 delta: dict | None = None) -> dict:
+                 delta: dict | None = None, logprobs: dict | None = None) -> dict:
     """A stream chunk's choice: a chat chunk's delta is the one given, or else the text as content."""
     if chat:
         delta = {"role": "assistant", "content": ""} if first else delta or ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
 
 def finish_reason(done: Finished, message: chat_output.Message | None = None) -> str:

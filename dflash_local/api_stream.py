@@ -6,9 +6,10 @@ import asyncio
 import json
 import time
 
+from .api_logprobs import logprobs_body
 from .api_models import chunk_choice, finish_reason, timings_of, usage_of
 from .chat_output import Stream
-from .engine import Finished, TextDelta
+from .engine import Engine, Finished, TextDelta
 from .metrics import Metrics
 from .runner import Job
 from .tool_calls import ToolChoiceError
@@ -20,11 +21,13 @@ def frame(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage: bool, metrics: Metrics, t0: float):
+async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage: bool, metrics: Metrics, t0: float,
+                     engine: Engine):
     """The events of a chat completion (read by `stream`: reasoning, content and tool call deltas) or, with stream
     None, of a text completion."""
     chat = stream is not None
     finished = False
+    n_text = 0  # characters of tokens streamed so far, for completions' text_offset
     try:
         if chat:
             yield frame({**head, "choices": [chunk_choice(chat, None, None, first=True)]})
@@ -39,11 +42,19 @@ async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage:
                 break
             if ev is None:
                 break
-            if isinstance(ev, TextDelta) and chat:
-                for delta in stream.feed(ev.text):  # nothing while the text may still be the start of a marker
-                    yield frame({**head, "choices": [chunk_choice(chat, None, None, delta=delta)]})
-            elif isinstance(ev, TextDelta):
-                yield frame({**head, "choices": [chunk_choice(chat, ev.text, None)]})
+            if isinstance(ev, TextDelta):
+                logprobs = logprobs_body(engine, ev.logprobs, chat, n_text)
+                if not chat:
+                    if logprobs:
+                        n_text = sum(map(len, logprobs["tokens"]), n_text)
+                    yield frame({**head, "choices": [chunk_choice(chat, ev.text, None, logprobs=logprobs)]})
+                    continue
+                # nothing while the text may still be the start of a marker; the step's logprobs go with the
+                # first delta it gives, or alone
+                deltas = stream.feed(ev.text) if ev.text else []
+                for i, delta in enumerate(deltas or ([{}] if logprobs else [])):
+                    yield frame({**head, "choices": [chunk_choice(chat, None, None, delta=delta,
+                                                                  logprobs=logprobs if i == 0 else None)]})
             elif isinstance(ev, Finished):
                 finished = True
                 metrics.add(ev.summary, time.perf_counter() - t0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="device of the PyTorch drafter (with --draft-backend torch)")
     p.add_argument("--draft-policy", choices=["auto", "fixed"], default="auto",
                    help="auto (default): draft as many tokens as a cost model expects to be fastest; fixed: full blocks")
+    p.add_argument("--spec-sampling", choices=["match", "rejection"], default="match",
+                   help="how sampled drafts are verified: match (default: output identical to plain decoding with "
+                   "the same seed) or rejection (speculative sampling with the drafter's distribution: the target's "
+                   "distribution, more drafts accepted at temperatures > 0; llama.cpp drafter only)")
     p.add_argument("--capture", choices=["auto", "layer_api", "callback"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     add_placement_args(p)
@@ -100,6 +105,51 @@ def _template_kwargs(args) -> dict:
     return kwargs | (getattr(args, "chat_template_kwargs", None) or {})
 
 
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """llama.cpp's -l TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf."""
+    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*([0-9.eE+-]+|inf)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS such as 15043+1 or 15043-inf, got {text!r}")
+    try:
+        bias = float(m[3])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{m[3]!r} is not a number")
+    return int(m[1]), -bias if m[2] == "-" else bias
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampling controls, with its spellings."""
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (1.0 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="last n tokens (prompt included) to penalize (default 64, 0 = off, -1 = context size)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty (0.0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty (0.0 = off)")
+    p.add_argument("-l", "--logit-bias", type=_logit_bias, action="append", metavar="TOKEN_ID(+/-)BIAS",
+                   help="add BIAS to the token's logit, e.g. 15043+1; 15043-inf bans it (repeatable)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--grammar", help="GBNF grammar the output must follow")
+    g.add_argument("--grammar-file", dest="grammar", type=_read_text, metavar="FILE", help="GBNF grammar from a file")
+    g.add_argument("-j", "--json-schema", help="JSON schema the output must follow (e.g. {} for any JSON object)")
+    g.add_argument("-jf", "--json-schema-file", dest="json_schema", type=_read_text, metavar="FILE",
+                   help="JSON schema from a file")
+
+
+def _sampling_kwargs(args) -> dict:
+    bias = {}
+    for tok, b in args.logit_bias or ():
+        bias[tok] = bias.get(tok, 0.0) + b
+    return dict(repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                logit_bias=bias or None, grammar=args.grammar, json_schema=args.json_schema)
+
+
 def _pair(args):
     """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
     from .models import default_drafter, default_target
@@ -125,6 +175,7 @@ def _load_engine(args):
         draft_backend=args.draft_backend,
         draft_device=args.draft_device,
         draft_policy=args.draft_policy,
+        spec_sampling=args.spec_sampling,
         verbose=args.verbose,
         chat_template=getattr(args, "chat_template", None),  # bench has no chat options
         chat_template_kwargs=_template_kwargs(args),
@@ -163,6 +214,7 @@ def cmd_generate(args) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        **_sampling_kwargs(args),
     )
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -300,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    _sampling_args(g)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
     g.set_defaults(func=cmd_generate)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import _native, chat
 from .drafter import Drafter, NativeDrafter, as_drafter
+from .grammar import grammar_of
 from .gguf_file import read_gguf
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
@@ -35,6 +36,9 @@ class EngineBusyError(RuntimeError):
 @dataclass
 class TextDelta:
     text: str
+    # with generate(logprobs=N): the log-probabilities of the tokens this step added to the output (their text may
+    # come in a later delta, held back by a possible stop string or an incomplete UTF-8 character)
+    logprobs: list[_native.TokenLogprob] | None = None
 
 
 @dataclass
@@ -42,9 +46,15 @@ class Finished:
     text: str
     token_ids: list[int]
     summary: Summary
+    logprobs: list[_native.TokenLogprob] | None = None  # one per token of token_ids, with generate(logprobs=N)
 
 
 Event = TextDelta | StepStats | Finished
+
+
+def _check_spec_sampling(mode: str) -> None:
+    if mode not in ("match", "rejection"):
+        raise ValueError(f"spec sampling must be match or rejection, not {mode!r}")
 
 
 def _file_type(info) -> str:
@@ -71,6 +81,7 @@ class Engine:
         draft_backend: str = "ggml",
         draft_device: str = "cpu",
         draft_policy: str = "auto",
+        spec_sampling: str = "match",
         flash_attn: bool = False,
         repack: bool = False,
         placement: Placement | None = None,
@@ -100,6 +111,7 @@ class Engine:
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
         if draft_policy not in ("auto", "fixed"):
             raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
+        _check_spec_sampling(spec_sampling)
         if draft_backend not in ("ggml", "torch"):
             raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
         self.target_info = read_gguf(model)
@@ -164,6 +176,7 @@ class Engine:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = min(block_size or trained, trained)
         self.draft_policy = draft_policy
+        self.spec_sampling = spec_sampling
         self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
         self.cache = PromptCache()
         self._lock = threading.Lock()
@@ -298,17 +311,35 @@ class Engine:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
+        logit_bias: dict[int, float] | list | None = None,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        grammar: str | None = None,
+        json_schema: dict | str | None = None,
+        logprobs: int | None = None,
         draft: bool = True,
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
         preserved_tokens: list[str] | tuple[str, ...] = (),
+        spec_sampling: str | None = None,
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
+
+        The sampling controls are llama.cpp's (sampling.py); grammar is GBNF, json_schema a JSON schema the output
+        must follow. logprobs=N reports each generated token's log-probability under the target (the softmax of its
+        logits, before temperature and controls) with the N most likely tokens.
 
         preserved_tokens: control tokens (such as gpt-oss's "<|channel|>") that the output shows as text, for a chat
         format's parser; strings that are not one token of this vocabulary are ignored.
 
         external_drafter drafts in place of the engine's own drafter: a Drafter (drafter.py), or a function of the
         tokens so far (prompt and generated, the newest last) and a draft length that returns the proposed tokens.
+
+        spec_sampling (default: the engine's) verifies sampled drafts by 'match' (the target's own seeded draw must
+        equal the draft token: output identical to plain decoding with the same seed) or 'rejection' (speculative
+        sampling against the llama.cpp drafter's distribution: the target's distribution, not its seeded tokens,
+        and more accepted drafts at temperatures > 0). Greedy decoding is the same under both.
         """
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -316,39 +347,62 @@ class Engine:
             stop = [stop]
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias, repeat_penalty, repeat_last_n,
+                                presence_penalty, frequency_penalty, grammar_of(grammar, json_schema))
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer, got {logprobs!r}")
         ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
         shown = set()
         for text in preserved_tokens:
             one = self.target.tokenize(text, False, True)
             if len(one) == 1:
                 shown.add(one[0])
+        sampler = params.sampler(self.target, ids, self.n_ctx, logprobs)
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
+        spec_sampling = spec_sampling or self.spec_sampling
+        _check_spec_sampling(spec_sampling)
+        rejection = spec_sampling == "rejection" and drafter is not None and not params.greedy
+        if rejection and not isinstance(drafter, NativeDrafter):
+            raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
+                             "spec sampling (match) with this drafter")
+        if rejection and params.grammar:
+            raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
+                             "(match)")
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            yield from self._generate(ids, max_tokens, list(stop), params, drafter, frozenset(shown))
+            yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter,
+                                      frozenset(shown), rejection)
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, params, drafter: Drafter | None,
-                  shown: frozenset[int]) -> Iterator[Event]:
+    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None,
+                  shown: frozenset[int], rejection: bool) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
-        s, sampling = self.session, params.native()
+        s = self.session
         policy = self._policy_for(self.block_size - 1 if drafter else 0)
         tracker = StatsTracker(max(self.block_size, 2) if drafter else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)
+        emitted_logprobs = [] if logprobs else None
+
+        def delta(text: str, n_before: int) -> TextDelta | None:
+            """The event for one step's text and, when asked, the logprobs of the tokens it kept."""
+            lp = None
+            if logprobs:
+                lp = sampler.take_logprobs()[: len(out.ids) - n_before]
+                emitted_logprobs.extend(lp)
+            return TextDelta(text, lp) if text or lp else None
+
         try:
             t0 = time.perf_counter()
-            tokens.append(self._prefill(ids, n_cached, sampling, drafter))
+            tokens.append(self._prefill(ids, n_cached, sampler, drafter))
             prompt_ms = (time.perf_counter() - t0) * 1000
-            text = out.add(tokens[-1:])
-            if text:
-                yield TextDelta(text)
+            if ev := delta(out.add(tokens[-1:]), 0):
+                yield ev
 
             while out.finish is None:
                 if s.n_past >= self.n_ctx:
@@ -356,7 +410,7 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
-                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampling, drafter)
+                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter, rejection)
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -371,8 +425,8 @@ class Engine:
                 )
                 tracker.add(stats)
                 policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms, r.sample_ms)
-                if text:
-                    yield TextDelta(text)
+                if ev := delta(text, n_out):
+                    yield ev
                 yield stats
 
             tail = out.stream.flush()
@@ -386,7 +440,7 @@ class Engine:
                 n_generated=len(out.ids),
                 prompt_ms=prompt_ms,
             )
-            yield Finished(out.stream.text, list(out.ids), summary)
+            yield Finished(out.stream.text, list(out.ids), summary, emitted_logprobs)
         finally:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
             self.cache.record(s, tokens, captured=drafter is not None)
@@ -401,29 +455,31 @@ class Engine:
                 d.crop(n)
         return n
 
-    def _prefill(self, ids: list[int], n_cached: int, sampling, drafter: Drafter | None) -> int:
+    def _prefill(self, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
         """Decode the prompt after the cached prefix; return the first generated token."""
         s = self.session
         chunk_size = s.n_batch  # one native decode: features() holds the last decode's rows only
         for off in range(n_cached, len(ids), chunk_size):
             chunk = ids[off : off + chunk_size]
-            first = s.prefill(chunk, sampling, 0)
+            first = s.prefill(chunk, sampler if off + chunk_size >= len(ids) else None, 0)
             if drafter:
                 drafter.extend(s, off, len(chunk))
         return first
 
-    def _speculate(self, tokens: list[int], k: int, index: int, sampling, drafter: Drafter | None):
+    def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
+                   rejection: bool):
         """One step: the drafter proposes k tokens after `tokens`, the target verifies them (its own token at each
         position is generated token number index + i), the drafter takes the accepted positions' features.
+        Rejection sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses.
         Returns the native StepResult and the drafter's milliseconds."""
         s = self.session
         proposal, draft_ms = [], 0.0
         if k > 0:
             t0 = time.perf_counter()
-            proposal = drafter.draft(tokens, k)
+            proposal = s.draft(tokens[-1], k, False, sampler, index).tokens if rejection else drafter.draft(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
         pos0 = s.n_past
-        r = s.step(tokens[-1], proposal, sampling, index)
+        r = s.step(tokens[-1], proposal, sampler, index, rejection)
         draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()

@@ -1,12 +1,15 @@
-"""Sampling parameters. The sampling itself runs natively (native/dflash.cpp, sample_row) inside each step.
+"""Sampling parameters and controls. The sampling itself runs natively (native/dflash.cpp, Sampler) inside each step.
 
 Lossless sampling: verification samples the target's own distribution at each block position and accepts a draft
 token only if it equals that sample. Generated token k always uses the uniform number hash(seed, k), so with the
-same seed a DFlash run and a plain run produce the same tokens, not just the same distribution.
+same seed a DFlash run and a plain run produce the same tokens, not just the same distribution. The controls (grammar,
+logit bias, penalties) keep that: the native sampler applies them to each verify row with the state of the tokens
+emitted before it, exactly as plain decoding does.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,6 +23,14 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None = a random seed
+    # llama.cpp's controls, applied before the above: a logit bias per token id (-inf bans), repetition penalties
+    # over the last repeat_last_n tokens (prompt included; -1 = the whole context, 0 = off), and a GBNF grammar
+    logit_bias: dict[int, float] | None = None
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -34,6 +45,17 @@ class SamplingParams:
             self.seed = int.from_bytes(os.urandom(8), "little")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+        if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be a string (GBNF)")
+        self.logit_bias = parse_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -43,3 +65,44 @@ class SamplingParams:
         return _native.Sampling(
             float(self.temperature), self.top_k, float(self.top_p), float(self.min_p), self.seed & (2**64 - 1)
         )
+
+    def sampler(self, target: _native.Model, prompt: list[int], n_ctx: int,
+                n_logprobs: int | None = None) -> _native.Sampler:
+        """One generation's native sampling state, after `prompt`; it records the logprobs of every sampled token
+        with its n_logprobs most likely alternatives when n_logprobs is not None. A grammar that does not parse
+        raises ValueError."""
+        for tok in self.logit_bias or {}:
+            if tok >= target.n_vocab:
+                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary (0..{target.n_vocab - 1})")
+        return _native.Sampler(
+            target, self.native(), list((self.logit_bias or {}).items()),
+            n_ctx if self.repeat_last_n == -1 else self.repeat_last_n, float(self.repeat_penalty),
+            float(self.frequency_penalty), float(self.presence_penalty), prompt, self.grammar or "",
+            -1 if n_logprobs is None else n_logprobs,
+        )
+
+
+def parse_logit_bias(bias) -> dict[int, float] | None:
+    """OpenAI's map {"token id": bias} or llama-server's list [[token id, bias], ...]; a bias of false bans."""
+    if bias is None:
+        return None
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple, type({}.items()))):
+        raise ValueError("logit_bias must map token ids to biases")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("logit_bias must map token ids to biases, or be a list of [token id, bias] pairs")
+        tok, b = pair
+        try:
+            tok = int(tok) if not isinstance(tok, (bool, float)) else None
+        except ValueError:
+            tok = None
+        if tok is None or tok < 0:
+            raise ValueError(f"logit_bias: {pair[0]!r} is not a token id")
+        if b is False:
+            b = -math.inf
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b == math.inf:
+            raise ValueError(f"logit_bias: the bias of token {tok} must be a number or false, got {b!r}")
+        out[tok] = out.get(tok, 0.0) + float(b)
+    return out

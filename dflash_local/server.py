@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import chat_output
 from .api_errors import APIError, install_error_handlers
+from .api_logprobs import logprobs_body
 from .api_models import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
 from .api_props import model_card, props
 from .api_stream import sse_events
@@ -183,7 +184,7 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         stream = chat_output.Stream(syntax) if chat else None
-        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0),
+        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0, engine),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(watch_disconnect(request, job))
@@ -206,7 +207,7 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
         message = chat_output.finish(syntax, done.text) if chat else None
     except ToolChoiceError as e:
         raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
-    return completion_body(head, done, message)
+    return completion_body(head, done, message, logprobs_body(engine, done.logprobs, chat))
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:

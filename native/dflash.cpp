@@ -747,6 +747,405 @@ static llama_token sample_row(const float * logits, int n_vocab, const Sampling 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Sampler: one generation's sampling state. Besides the Sampling parameters it holds the controls llama.cpp's common
+// sampler applies before them (a grammar, logit biases, repetition penalties over a window of recent tokens) and
+// their state. It only ever takes in emitted tokens: the prompt (penalties only, as llama-server does) and each
+// sampled token, in order. A verify row is sampled after the rows before it, whose tokens were emitted (a row is only
+// sampled while the draft before it matched), so every row sees exactly the state plain decoding would: the output
+// stays token-identical, and a rejected draft leaves nothing to roll back.
+
+struct Penalties {
+    int   last_n  = 64;    // the window: the last last_n tokens (0 = off)
+    float repeat  = 1.0f;  // 1 = off
+    float freq    = 0.0f;
+    float present = 0.0f;
+
+    bool active() const { return last_n != 0 && (repeat != 1.0f || freq != 0.0f || present != 0.0f); }
+};
+
+struct TokenLogprob {
+    llama_token token;
+    float       logprob;
+    std::vector<std::pair<llama_token, float>> top;  // the most likely tokens of the row, best first
+};
+
+// Further uniforms per generated token, independent of uniform(seed, index) and of each other: the redraw after a
+// grammar refusal (stream 0), and rejection sampling's draft draw, acceptance test and residual draw (1, 2, 3).
+static uint64_t second_seed(uint64_t seed, uint64_t stream = 0) {
+    uint64_t z = seed ^ (0xD1B54A32D192ED03ull + stream * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDull;
+    z = (z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53ull;
+    return z ^ (z >> 33);
+}
+
+class Sampler {
+public:
+    // The plain sampler: the Sampling parameters and no controls.
+    Sampler(const Model & target, Sampling params) : params(params), n_vocab(target.n_vocab()), vocab(target.vocab) {}
+
+    Sampler(const Model & target, Sampling params, std::vector<std::pair<llama_token, float>> logit_bias,
+            Penalties penalties, const std::vector<llama_token> & prompt, const std::string & grammar_text,
+            int n_logprobs)
+        : Sampler(target, params) {
+        for (const auto & [tok, b] : logit_bias) {
+            check_token(tok);
+            if (std::isnan(b) || b == INFINITY) {
+                throw std::invalid_argument("a logit bias must be a number or -inf");
+            }
+        }
+        if (penalties.last_n < 0) {
+            throw std::invalid_argument("repeat_last_n must be >= 0");
+        }
+        if (!(penalties.repeat > 0.0f) || !std::isfinite(penalties.repeat) || !std::isfinite(penalties.freq) ||
+            !std::isfinite(penalties.present)) {
+            throw std::invalid_argument("repeat_penalty must be a number > 0, and the other penalties finite numbers");
+        }
+        for (llama_token t : prompt) {
+            check_token(t);
+        }
+        bias = std::move(logit_bias);
+        pen  = penalties;
+        n_top = n_logprobs;
+        const size_t from = prompt.size() > (size_t) pen.last_n ? prompt.size() - pen.last_n : 0;
+        for (size_t i = from; pen.active() && i < prompt.size(); ++i) {
+            remember(prompt[i]);
+        }
+        if (!grammar_text.empty()) {
+            LogScope log(false);
+            grammar = llama_sampler_init_grammar(vocab, grammar_text.c_str(), "root");
+            if (!grammar) {
+                std::string why;
+                for (auto & line : log.tail) {
+                    why += line;
+                }
+                while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) {
+                    why.pop_back();
+                }
+                throw std::invalid_argument("the grammar does not parse" + (why.empty() ? "" : ": " + why));
+            }
+        }
+    }
+
+    ~Sampler() {
+        if (grammar) {
+            llama_sampler_free(grammar);
+        }
+    }
+    Sampler(const Sampler &) = delete;
+    Sampler & operator=(const Sampler &) = delete;
+
+    bool has_grammar() const { return grammar != nullptr; }
+
+    // Sample generated token number `index` from a target row, and take it in.
+    llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
+        const llama_token t = pick(logits, index, cand);
+        take(logits, t);
+        return t;
+    }
+
+    // Rejection sampling (speculative sampling with the drafter's distribution): accept the draft token x, drawn
+    // from the drafter's distribution q, with probability min(1, p(x) / q(x)), p the distribution pick() draws from;
+    // otherwise draw from the residual max(0, p - q), normalised. The result follows p whatever q is. The token is
+    // taken in like next()'s.
+    llama_token judge(const float * logits, llama_token x, const float * q, uint64_t index) {
+        distribution(logits, p);
+        llama_token t = x;
+        if (!(uniform(second_seed(params.seed, 2), index) * q[x] < p[x])) {
+            double z = 0.0;
+            for (int i = 0; i < n_vocab; ++i) {
+                z += std::max(0.0f, p[i] - q[i]);
+            }
+            // z > 0 whenever a rejection is possible (p(x) < q(x)); rounding aside, fall back to p itself
+            const bool residual = z > 0.0;
+            if (!residual) {
+                z = 1.0;
+            }
+            const double target = uniform(second_seed(params.seed, 3), index) * z;
+            double cum = 0.0;
+            t = -1;
+            for (int i = 0; i < n_vocab && t < 0; ++i) {
+                cum += residual ? std::max(0.0f, p[i] - q[i]) : p[i];
+                if (target < cum) {
+                    t = i;
+                }
+            }
+            if (t < 0) {  // the last token with mass, should rounding leave target at the very end
+                for (t = n_vocab - 1; t > 0 && (residual ? p[t] - q[t] : p[t]) <= 0.0f; --t) {}
+            }
+        }
+        take(logits, t);
+        return t;
+    }
+
+    const Sampling & sampling() const { return params; }
+
+    // The distribution pick() draws from, without a grammar: the row with biases and penalties, cut by top-k, top-p
+    // (on the untempered softmax) and min-p, then tempered; probabilities over the vocabulary, 0 outside the cut.
+    void distribution(const float * logits, std::vector<float> & out) {
+        if (grammar || params.temperature <= 0.0f) {
+            throw std::logic_error("rejection sampling needs a temperature > 0 and no grammar");
+        }
+        const float * x = controlled(logits);
+        float lmin, lmax;
+        logit_range(x, n_vocab, lmin, lmax);
+        if (!std::isfinite(lmax)) {
+            fail("no distribution to sample from (NaN or infinite logits)");
+        }
+        const bool  top_k = params.top_k > 0 && params.top_k < n_vocab;
+        const bool  top_p = params.top_p < 1.0f;
+        const float keep  = params.min_p > 0.0f ? lmax + std::log(params.min_p) : -INFINITY;
+        auto better = [&](llama_token a, llama_token b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+        ranked.clear();
+        if (top_k || top_p) {
+            // Top-p alone ranks only the tokens within 40 nats of the best: the rest hold less than e^-40 of the mass
+            // each, so even 10^9 of them cannot matter to a top_p below 1 by a float's precision.
+            const float floor = top_k ? -INFINITY : lmax - 40.0f;
+            for (int i = 0; i < n_vocab; ++i) {
+                if (x[i] >= floor) {
+                    ranked.push_back(i);
+                }
+            }
+            if (top_k && (size_t) params.top_k < ranked.size()) {
+                std::nth_element(ranked.begin(), ranked.begin() + params.top_k, ranked.end(), better);
+                ranked.resize(params.top_k);
+            }
+            std::sort(ranked.begin(), ranked.end(), better);
+            if (top_p) {
+                double z = 0.0;  // over the candidates: the top-k, or the whole vocabulary
+                if (top_k) {
+                    for (llama_token i : ranked) z += std::exp((double) x[i] - lmax);
+                } else {
+                    for (int i = 0; i < n_vocab; ++i) z += std::exp((double) x[i] - lmax);
+                }
+                double cum = 0.0;
+                size_t cut = ranked.size();
+                for (size_t i = 0; i < ranked.size(); ++i) {
+                    cum += std::exp((double) x[ranked[i]] - lmax);
+                    if (cum >= params.top_p * z) {
+                        cut = i + 1;
+                        break;
+                    }
+                }
+                ranked.resize(cut);
+            }
+            while (ranked.size() > 1 && x[ranked.back()] < keep) {
+                ranked.pop_back();
+            }
+        } else {
+            for (int i = 0; i < n_vocab; ++i) {
+                if (x[i] >= keep) {
+                    ranked.push_back(i);
+                }
+            }
+        }
+        out.assign(n_vocab, 0.0f);
+        double zt = 0.0;
+        for (llama_token i : ranked) {
+            zt += temper(x[i], lmax, params.temperature);
+        }
+        for (llama_token i : ranked) {
+            out[i] = (float) (temper(x[i], lmax, params.temperature) / zt);
+        }
+    }
+
+    // Take in an emitted token: its logprobs, the penalty window and the grammar state.
+    void take(const float * logits, llama_token t) {
+        if (n_top >= 0) {
+            logprobs.push_back(logprob_of(logits, t));
+        }
+        if (pen.active()) {
+            remember(t);
+        }
+        if (grammar) {
+            accept(grammar, t);
+        }
+    }
+
+    // How many tokens at the start of `draft` the grammar allows, on a copy of its state.
+    size_t grammar_prefix(const std::vector<llama_token> & draft) const {
+        if (!grammar || draft.empty()) {
+            return draft.size();
+        }
+        llama_sampler * g = llama_sampler_clone(grammar);
+        size_t n = 0;
+        while (n < draft.size() && allows(g, draft[n])) {
+            accept(g, draft[n++]);
+        }
+        llama_sampler_free(g);
+        return n;
+    }
+
+    std::vector<TokenLogprob> take_logprobs() { return std::exchange(logprobs, {}); }
+
+private:
+    Sampling params;
+    int n_vocab;
+    const llama_vocab * vocab;
+    std::vector<std::pair<llama_token, float>> bias;
+    Penalties pen;
+    std::deque<llama_token> window;                    // the last pen.last_n tokens
+    std::vector<std::pair<llama_token, int>> counts;   // how often each token occurs in the window
+    llama_sampler * grammar = nullptr;
+    int n_top = -1;                                    // top logprobs to report per token (-1 = no logprobs)
+    std::vector<TokenLogprob> logprobs;                // for the tokens sampled since the last take_logprobs()
+    std::vector<float> row;                            // the row with biases and penalties applied
+    std::vector<llama_token_data> cur;                 // the row as the grammar sees it
+    std::vector<float> kept;                           // the logits the grammar keeps, in vocabulary order
+    std::vector<llama_token> kept_ids;
+    std::vector<float> p;                              // judge(): the target's distribution at the row
+    std::vector<llama_token> ranked;                   // distribution(): the kept tokens, best first when cut
+
+    void check_token(llama_token t) const {
+        if (t < 0 || t >= n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary (0.." +
+                                    std::to_string(n_vocab - 1) + ")");
+        }
+    }
+
+    // As llama.cpp's common sampler: draw without the grammar; if the grammar refuses that token, apply it to the
+    // whole row and draw again (with an independent uniform, so the result follows the constrained distribution).
+    llama_token pick(const float * logits, uint64_t index, std::vector<Candidate> & cand) {
+        const float * x = controlled(logits);
+        const llama_token t = sample_row(x, n_vocab, params, index, cand);
+        if (!grammar || allows(grammar, t)) {
+            return t;
+        }
+        cur.resize(n_vocab);
+        for (int i = 0; i < n_vocab; ++i) {
+            cur[i] = {i, x[i], 0.0f};
+        }
+        llama_token_data_array arr{cur.data(), (size_t) n_vocab, -1, false};
+        llama_sampler_apply(grammar, &arr);
+        kept.clear();
+        kept_ids.clear();
+        for (size_t i = 0; i < arr.size; ++i) {
+            if (arr.data[i].logit != -INFINITY) {
+                kept.push_back(arr.data[i].logit);
+                kept_ids.push_back(arr.data[i].id);
+            }
+        }
+        if (kept.empty()) {  // the grammar asks for text no token spells: the request's fault
+            throw std::invalid_argument("the grammar allows no token here");
+        }
+        Sampling redraw = params;
+        redraw.seed = second_seed(params.seed);
+        return kept_ids[sample_row(kept.data(), (int) kept.size(), redraw, index, cand)];
+    }
+
+    // The row with the logit biases and penalties applied (a copy), or the row itself when there are none.
+    const float * controlled(const float * logits) {
+        if (bias.empty() && !pen.active()) {
+            return logits;
+        }
+        row.assign(logits, logits + n_vocab);
+        for (const auto & [tok, b] : bias) {
+            row[tok] += b;
+        }
+        for (const auto & [tok, count] : counts) {
+            float & l = row[tok];
+            l = l <= 0 ? l * pen.repeat : l / pen.repeat;
+            l -= float(count) * pen.freq + pen.present;
+        }
+        return row.data();
+    }
+
+    static bool allows(llama_sampler * g, llama_token t) {
+        llama_token_data one{t, 1.0f, 0.0f};
+        llama_token_data_array arr{&one, 1, -1, false};
+        llama_sampler_apply(g, &arr);
+        return arr.data[0].logit != -INFINITY;
+    }
+
+    // Only for a token allows() passed: llama.cpp aborts on an end-of-generation token its grammar does not allow.
+    static void accept(llama_sampler * g, llama_token t) {
+        try {
+            llama_sampler_accept(g, t);
+        } catch (const std::exception & e) {
+            fail(std::string("the grammar refused token ") + std::to_string(t) + ": " + e.what());
+        }
+    }
+
+    // llama.cpp's penalties sampler: a window of the last last_n tokens and their counts.
+    void remember(llama_token t) {
+        if ((int) window.size() >= pen.last_n) {
+            const llama_token old = window.front();
+            window.pop_front();
+            auto it = std::find_if(counts.begin(), counts.end(), [&](const auto & c) { return c.first == old; });
+            if (--it->second == 0) {
+                *it = counts.back();
+                counts.pop_back();
+            }
+        }
+        window.push_back(t);
+        auto it = std::find_if(counts.begin(), counts.end(), [&](const auto & c) { return c.first == t; });
+        if (it == counts.end()) {
+            counts.emplace_back(t, 1);
+        } else {
+            ++it->second;
+        }
+    }
+
+    // The log-softmax of the target's row (before temperature and controls, as llama-server reports by default) at
+    // the sampled token, and its n_top most likely tokens.
+    TokenLogprob logprob_of(const float * logits, llama_token t) const {
+        float lo, hi;
+        logit_range(logits, n_vocab, lo, hi);
+        double z = 0.0;
+        for (int i = 0; i < n_vocab; ++i) {
+            z += std::exp((double) logits[i] - hi);
+        }
+        const double log_z = hi + std::log(z);
+        TokenLogprob r{t, (float) (logits[t] - log_z), {}};
+        // a min-heap of the best n_top seen, in the one order the sampler uses (higher logit, then lower id)
+        auto better = [&](llama_token a, llama_token b) {
+            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+        };
+        std::vector<llama_token> heap;
+        const size_t n = std::min<size_t>(n_top, n_vocab);
+        for (int i = 0; i < n_vocab && n > 0; ++i) {
+            if (heap.size() < n) {
+                heap.push_back(i);
+                std::push_heap(heap.begin(), heap.end(), better);
+            } else if (better(i, heap.front())) {
+                std::pop_heap(heap.begin(), heap.end(), better);
+                heap.back() = i;
+                std::push_heap(heap.begin(), heap.end(), better);
+            }
+        }
+        std::sort(heap.begin(), heap.end(), better);
+        for (llama_token i : heap) {
+            r.top.emplace_back(i, (float) (logits[i] - log_z));
+        }
+        return r;
+    }
+};
+
+// Draw from softmax(row / temperature) with uniform u, writing that distribution to q (rejection sampling's drafts).
+static llama_token draw_tempered(const float * row, int n_vocab, float temperature, double u, float * q) {
+    float lmin, lmax;
+    logit_range(row, n_vocab, lmin, lmax);
+    if (!std::isfinite(lmax)) {
+        fail("the drafter's logits are not finite");
+    }
+    double z = 0.0;
+    for (int i = 0; i < n_vocab; ++i) {
+        z += temper(row[i], lmax, temperature);
+    }
+    const double target = u * z;
+    double cum = 0.0;
+    llama_token t = -1;
+    for (int i = 0; i < n_vocab; ++i) {
+        const double w = temper(row[i], lmax, temperature);
+        q[i] = (float) (w / z);
+        cum += w;
+        if (t < 0 && target < cum) {
+            t = i;
+        }
+    }
+    return t < 0 ? argmax(row, n_vocab) : t;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Session: target context, optional drafter context, and the speculative step.
 
 struct Draft {
@@ -819,6 +1218,7 @@ public:
     std::atomic<bool> verbose;  // print llama.cpp's log during this session's calls
 
     int n_past() const { return past; }
+    const Model & target() const { return tgt; }
     int context_size() const { return n_ctx; }
     bool has_drafter() const { return ctx_dft != nullptr; }
     bool uses_layer_api() const { return layer_api; }
@@ -860,8 +1260,8 @@ public:
     }
 
     // Decode tokens after the cached ones, feed their features to the drafter and sample the next token
-    // (generated token number `index`).
-    llama_token prefill(const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+    // (generated token number `index`); without a sampler (a prompt chunk before the last), sample nothing: -1.
+    llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index) {
         if (tokens.empty()) {
             throw std::invalid_argument("prefill needs at least one token");
         }
@@ -879,21 +1279,31 @@ public:
                 }
                 past += (int) n;
             }
-            return sample_row(logits_row(ctx_tgt, -1, "target"), tgt.n_vocab(), s, index, cand);
+            if (!s) {
+                return LLAMA_TOKEN_NULL;
+            }
+            return s->next(logits_row(ctx_tgt, -1, "target"), index, cand);
         });
     }
 
     // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
     // caches), at most a block.
-    Draft draft(llama_token last, int n_draft, bool with_probs) {
+    // With a sampler (rejection sampling) each draft token is drawn from the drafter's distribution at the
+    // sampler's temperature instead of taken as its argmax, with the uniform of generated token index + i at draft
+    // position i; the distributions are kept for step(..., rejection = true).
+    Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index) {
         if (!ctx_dft) {
             throw std::logic_error("this session has no llama.cpp drafter");
+        }
+        if (sampler && sampler->sampling().temperature <= 0.0f) {
+            throw std::invalid_argument("sampled drafts need a temperature > 0");
         }
         check_tokens({last});
         return transaction([&] {
             Draft d;
+            q_tokens.clear();
             if (n_draft > 0) {
-                draft_block(last, std::min(n_draft, block_size - 1), with_probs, d);
+                draft_block(last, std::min(n_draft, block_size - 1), with_probs, sampler, index, d);
             }
             return d;
         });
@@ -901,13 +1311,27 @@ public:
 
     // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
     // not yet in the caches.
-    StepResult step(llama_token last, const std::vector<llama_token> & draft, const Sampling & s, uint64_t index) {
+    // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
+    // rejection: verify by rejection sampling against the distributions of this session's last sampled draft
+    // (draft() with a sampler), which `draft` must be (a prefix of).
+    StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
+                    bool rejection) {
         check_tokens({last});
         check_tokens(draft);
         if (past + 1 > n_ctx) {
             throw std::length_error("context is full");
         }
-        return transaction([&] { return step_unchecked(last, draft, s, index); });
+        if (rejection) {
+            if (s.has_grammar() || s.sampling().temperature <= 0.0f) {
+                throw std::invalid_argument("rejection sampling needs a temperature > 0 and no grammar");
+            }
+            if (draft.size() > q_tokens.size() || !std::equal(draft.begin(), draft.end(), q_tokens.begin())) {
+                throw std::invalid_argument("rejection sampling verifies the draft this session last sampled");
+            }
+        }
+        StepResult r = transaction([&] { return step_unchecked(last, draft, s, index, rejection); });
+        q_tokens.clear();  // its distributions are spent
+        return r;
     }
 
     // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
@@ -963,6 +1387,8 @@ private:
     int block_size = 16;
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
+    std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
+    std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
     int n_ctx = 0;
     int n_batch = 0;  // the most tokens one target decode takes
     int n_embd = 0;
@@ -1124,6 +1550,7 @@ private:
             feat_rows = 0;
             n_out = 0;
             draft_rows.clear();
+            q_tokens.clear();
             keep(p0);
             throw;
         }
@@ -1172,13 +1599,14 @@ private:
         }
     }
 
-    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
-                              uint64_t index) {
+    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
+                              uint64_t index, bool rejection) {
         const auto t_step = std::chrono::steady_clock::now();
         StepResult r;
         // never verify past the end of the context or the batch
         const int room = std::min(n_ctx - past - 1, n_batch - 1);
         r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
+        r.draft.resize(s.grammar_prefix(r.draft));  // a draft token the grammar refuses could never be accepted
 
         std::vector<llama_token> block;
         block.reserve(r.draft.size() + 1);
@@ -1189,12 +1617,16 @@ private:
         decode_target(block.data(), (int) block.size(), past, LogitsAll);
         r.verify_ms = ms_since(t1);
 
-        // accept while the target's own choice equals the draft; the first disagreement is the target's token
+        // accept while the target's own choice equals the draft (or, rejection sampling, while it keeps the draft
+        // token); the first disagreement is the target's token
         const auto t_sample = std::chrono::steady_clock::now();
-        const int n_vocab = tgt.n_vocab();
+        const size_t n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
-            const llama_token t = sample_row(logits_row(ctx_tgt, a, "target"), n_vocab, s, index + a, cand);
+            const float * row = logits_row(ctx_tgt, a, "target");
+            const llama_token t = rejection && a < (int) r.draft.size()
+                                      ? s.judge(row, r.draft[a], &q_rows[a * n_vocab], index + a)
+                                      : s.next(row, index + a, cand);
             r.tokens.push_back(t);
             if (a == (int) r.draft.size() || t != r.draft[a]) {
                 break;
@@ -1309,7 +1741,8 @@ private:
     }
 
     // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
-    void draft_block(llama_token last, int n_draft, bool with_probs, Draft & d) {
+    void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                     Draft & d) {
         drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
         // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
@@ -1324,6 +1757,19 @@ private:
             const float * row = logits_row(ctx_dft, i + 1, "drafter");
             if (keep_draft) {
                 draft_rows.insert(draft_rows.end(), row, row + n_vocab);
+            }
+            if (sampler) {
+                const Sampling & sp = sampler->sampling();
+                q_rows.resize((size_t) (i + 1) * n_vocab);
+                float * q = &q_rows[(size_t) i * n_vocab];
+                const llama_token t = draw_tempered(row, n_vocab, sp.temperature,
+                                                    uniform(second_seed(sp.seed, 1), index + i), q);
+                q_tokens.push_back(t);
+                d.tokens.push_back(t);
+                if (with_probs) {
+                    d.probs.push_back(q[t]);
+                }
+                continue;
             }
             const llama_token t = argmax(row, n_vocab);
             d.tokens.push_back(t);
@@ -1423,6 +1869,11 @@ PYBIND11_MODULE(_native, m) {
         return names;
     }, "KV cache types (-ctk/-ctv), as llama.cpp offers them.");
 
+    py::class_<TokenLogprob>(m, "TokenLogprob")
+        .def_readonly("token", &TokenLogprob::token)
+        .def_readonly("logprob", &TokenLogprob::logprob)
+        .def_readonly("top", &TokenLogprob::top);
+
     py::class_<Model>(m, "Model")
         .def(py::init([](const std::string & path, int n_gpu_layers, bool repack, bool verbose, int split_mode,
                          int main_gpu, std::vector<float> tensor_split, int load_mode,
@@ -1470,6 +1921,22 @@ PYBIND11_MODULE(_native, m) {
             return std::string(buf);
         });
 
+    py::class_<Sampler>(m, "Sampler")
+        .def(py::init([](const Model & target, Sampling params, std::vector<std::pair<llama_token, float>> logit_bias,
+                         int repeat_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
+                         const std::vector<llama_token> & prompt, const std::string & grammar, int n_logprobs) {
+                 const Penalties pen{repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty};
+                 return new Sampler(target, params, std::move(logit_bias), pen, prompt, grammar, n_logprobs);
+             }),
+             py::arg("target"), py::arg("sampling"),
+             py::arg("logit_bias") = std::vector<std::pair<llama_token, float>>{},
+             py::arg("repeat_last_n") = 64, py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f,
+             py::arg("presence_penalty") = 0.0f, py::arg("prompt") = std::vector<llama_token>{},
+             py::arg("grammar") = "", py::arg("n_logprobs") = -1, py::keep_alive<1, 2>())
+        .def_property_readonly("has_grammar", &Sampler::has_grammar)
+        .def("grammar_prefix", &Sampler::grammar_prefix)
+        .def("take_logprobs", &Sampler::take_logprobs);
+
     py::class_<Draft>(m, "Draft")
         .def_readonly("tokens", &Draft::tokens)
         .def_readonly("probs", &Draft::probs);
@@ -1512,11 +1979,21 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
         .def("set_capture", &Session::set_capture)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
-        .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampling"), py::arg("index"),
+        .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
+        .def("prefill", [](Session & ss, const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+                 Sampler plain(ss.target(), s);
+                 return ss.prefill(tokens, &plain, index);
+             }, py::arg("tokens"), py::arg("sampling"), py::arg("index"), py::call_guard<py::gil_scoped_release>())
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
-             py::call_guard<py::gil_scoped_release>())
-        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
+             py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
+             py::arg("rejection") = false, py::call_guard<py::gil_scoped_release>())
+        .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
+                        uint64_t index) {
+                 Sampler plain(ss.target(), s);
+                 return ss.step(last, draft, plain, index, false);
+             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
         .def("logits", &Session::logits)
