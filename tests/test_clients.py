@@ -76,11 +76,13 @@ def test_llm_plain_prompt_system_and_continue(llm, qwen_engine):
     assert log["input_tokens"] == n_prompt(qwen_engine, history)
 
 
-def test_llm_schema_is_refused_clearly(llm):
-    # llm sends response_format json_schema: refused with a 400 that says so, not silently ignored
-    r, _ = llm("-m", "tiny", "--schema", "name, age int", "Invent a person")
-    assert r.returncode != 0
-    assert "400" in r.stderr and "response_format" in r.stderr and "not supported" in r.stderr
+def test_llm_schema_constrains_the_output(llm):
+    # llm sends response_format json_schema: the grammar holds the output to the schema
+    r, log = llm("-m", "tiny", "--schema", "name, age int", "-o", "temperature", "0", "-o", "max_tokens", "300",
+                 "Invent a person")
+    assert r.returncode == 0, r.stderr
+    person = json.loads(log["response"])
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
 
 
 def test_llm_tools_reach_the_template(llm, qwen_engine):
