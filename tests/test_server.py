@@ -282,7 +282,7 @@ def test_sse_framing(server):
          "messages"),
         ({"messages": [{"role": "narrator", "content": "hi"}]}, 400, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "21"}]}, 400, "messages.1"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400,
          "response_format"),
     ],
 )
