@@ -670,7 +670,9 @@ struct StepResult {
     double draft_ms   = 0.0;               // drafter compute: feature injection
     double verify_ms  = 0.0;               // target compute: the verify batch
     double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
+    double rollback_ms = 0.0;              // dropping the rejected drafts from the target (checkpoint and replay too)
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
+    std::string rollback;                  // how they were dropped: "" (none rejected), "kv", "snapshot", "checkpoint"
 };
 
 // Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
@@ -680,13 +682,15 @@ struct StepResult {
 // session stays usable and n_past says what the caches hold.
 class Session {
 public:
+    // n_rs_seq: recurrent-state snapshots kept for rolling back drafts (-1: the longest draft of the drafter);
+    // only architectures whose llama.cpp supports them keep any, the others roll back by checkpoint and replay.
     Session(Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads, bool use_layer_api,
-            bool flash_attn, bool verbose)
+            bool flash_attn, bool verbose, int n_rs_seq)
         : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api), verbose(verbose) {
         LogScope log(verbose);
-        check_arguments(n_ctx, n_threads);
+        check_arguments(n_ctx, n_threads, n_rs_seq);
         try {
-            create_contexts(n_ctx, n_threads, flash_attn);
+            create_contexts(n_ctx, n_threads, flash_attn, n_rs_seq < 0 ? (dft ? block_size - 1 : 0) : n_rs_seq);
         } catch (...) {
             free_all();  // the destructor does not run for a constructor that throws
             throw;
@@ -706,15 +710,24 @@ public:
     int context_size() const { return n_ctx; }
     bool has_drafter() const { return ctx_dft != nullptr; }
     bool uses_layer_api() const { return layer_api; }
+    bool is_recurrent() const { return recurrent; }
+    int snapshots() const { return n_rs; }
+    int checkpoint_pos() const { return prompt_ckpt_pos; }
 
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
     void set_capture(bool on) { capture = on; }
 
     // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
+    // A recurrent state cannot be cut anywhere: a recurrent target goes back to 0 or to its checkpoint only.
     void truncate(int n) {
         if (n < 0 || n > past) {
             throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " + std::to_string(past) +
                                     " cached tokens");
+        }
+        if (recurrent && n != 0 && n != past && n != prompt_ckpt_pos) {
+            throw std::invalid_argument("the recurrent target can go back to position 0 or " +
+                                        std::to_string(prompt_ckpt_pos) + " (its checkpoint), not " +
+                                        std::to_string(n));
         }
         LogScope log(verbose);
         if (!keep(n)) {
@@ -745,6 +758,17 @@ public:
             }
             return sample_row(logits_row(ctx_tgt, -1, "target"), tgt.n_vocab(), s, index, cand);
         });
+    }
+
+    // Save the target's recurrent state at the current position: truncate() can come back to it later (one
+    // checkpoint, replacing the previous one). A no-op for targets without recurrent memory.
+    void checkpoint() {
+        if (!recurrent) {
+            return;
+        }
+        LogScope log(verbose);
+        save_state(prompt_ckpt);
+        prompt_ckpt_pos = past;
     }
 
     // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
@@ -833,6 +857,16 @@ private:
     int past = 0;
     int n_out = 0;  // output (logits) rows of the last target decode
 
+    // Recurrent (and hybrid) targets: their recurrent state cannot drop positions like a KV cache. llama.cpp keeps
+    // per-token snapshots of the last decode (n_rs of them, where the architecture supports it); a rollback longer
+    // than that restores a checkpoint taken before the verify batch and decodes the accepted tokens again.
+    bool recurrent = false;
+    int n_rs = 0;
+    std::vector<uint8_t> step_ckpt;    // the recurrent state before the current verify batch
+    std::vector<uint8_t> prompt_ckpt;  // the recurrent state at prompt_ckpt_pos, for the prefix cache
+    int prompt_ckpt_pos = -1;
+    bool collecting = false;           // the eval callback copies features only during decode_target
+
     std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
     int feat_rows = 0;
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
@@ -840,17 +874,18 @@ private:
     std::vector<std::pair<float, llama_token>> cand;
 
     // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
-    void check_arguments(int n_ctx, int n_threads) {
+    void check_arguments(int n_ctx, int n_threads, int n_rs_seq) {
         if (n_ctx < 2) {
             throw std::invalid_argument("n_ctx must be at least 2, got " + std::to_string(n_ctx));
         }
         if (n_threads < 1) {
             throw std::invalid_argument("n_threads must be at least 1, got " + std::to_string(n_threads));
         }
-        if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
-            throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
-                                        "cannot roll back drafted tokens; such targets are not supported yet");
+        if (n_rs_seq > max_batch) {
+            throw std::invalid_argument("n_rs_seq must be at most " + std::to_string(max_batch) + ", got " +
+                                        std::to_string(n_rs_seq));
         }
+        recurrent = llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model);
         n_embd = llama_model_n_embd(tgt.model);
         const int n_layer = llama_model_n_layer(tgt.model);
         for (size_t k = 0; k < layers.size(); ++k) {
@@ -893,8 +928,10 @@ private:
         }
     }
 
-    void create_contexts(int n_ctx_want, int n_threads, bool flash_attn) {
+    void create_contexts(int n_ctx_want, int n_threads, bool flash_attn, int n_rs_seq) {
         llama_context_params cp = context_params(n_ctx_want, n_threads, flash_attn);
+        // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
+        cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
         // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
@@ -909,6 +946,7 @@ private:
         }
         n_ctx = (int) llama_n_ctx(ctx_tgt);
         n_batch = (int) llama_n_batch(ctx_tgt);  // less than max_batch when n_ctx was (llama.cpp rounds n_ctx up)
+        n_rs = (int) llama_n_rs_seq(ctx_tgt);
         batch_tgt = new_batch(ctx_tgt);
         if (layer_api) {
             for (int lid : layers) {
@@ -969,19 +1007,26 @@ private:
         try {
             return f();
         } catch (...) {
-            // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact
+            // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact; a
+            // recurrent state may have moved past p0 with past unchanged, and is emptied
             feat_rows = 0;
             n_out = 0;
+            collecting = false;
             draft_rows.clear();
-            keep(p0);
+            keep(recurrent ? 0 : p0);
             throw;
         }
     }
 
     // Make both caches hold the positions [0, n) only. If llama.cpp refuses to drop part of a sequence, empty both
-    // and return false.
+    // and return false. A recurrent target's state is only known at past and at its checkpoint: elsewhere (a failed
+    // call going back to its start, after decoding) it is emptied too.
     bool keep(int n) {
-        bool ok = llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+        bool ok = true;
+        if (recurrent && n != past && n != 0) {
+            ok = n == prompt_ckpt_pos && restore_state(prompt_ckpt);
+        }
+        ok = ok && llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
         if (ctx_dft) {
             ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
         }
@@ -993,7 +1038,25 @@ private:
             }
             past = 0;
         }
+        if (prompt_ckpt_pos > past) {
+            prompt_ckpt_pos = -1;
+            prompt_ckpt.clear();
+        }
         return ok;
+    }
+
+    static constexpr llama_state_seq_flags partial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+
+    // The target's recurrent state (not its attention KV cache, which drops positions by itself).
+    void save_state(std::vector<uint8_t> & buf) {
+        buf.resize(llama_state_seq_get_size_ext(ctx_tgt, 0, partial));
+        if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) != buf.size()) {
+            fail("could not save the target's recurrent state");
+        }
+    }
+
+    bool restore_state(const std::vector<uint8_t> & buf) {
+        return !buf.empty() && llama_state_seq_set_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) == buf.size();
     }
 
     static void drop_from(llama_context * ctx, llama_pos p0, const char * which) {
@@ -1034,6 +1097,14 @@ private:
         block.push_back(last);
         block.insert(block.end(), r.draft.begin(), r.draft.end());
 
+        // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more, so keep a checkpoint
+        const bool ckpt = recurrent && (int) r.draft.size() > n_rs;
+        if (ckpt) {
+            const auto t0 = std::chrono::steady_clock::now();
+            save_state(step_ckpt);
+            r.rollback_ms += ms_since(t0);
+        }
+
         const auto t1 = std::chrono::steady_clock::now();
         decode_target(block.data(), (int) block.size(), past, LogitsAll);
         r.verify_ms = ms_since(t1);
@@ -1053,8 +1124,25 @@ private:
         r.sample_ms  = ms_since(t_sample);
 
         const int p0 = past;
-        if (a + 1 < (int) block.size()) {
-            drop_from(ctx_tgt, p0 + a + 1, "target");
+        const int n_drop = (int) block.size() - (a + 1);
+        if (n_drop > 0) {
+            const auto t0 = std::chrono::steady_clock::now();
+            if (!recurrent) {
+                drop_from(ctx_tgt, p0 + a + 1, "target");
+                r.rollback = "kv";
+            } else if (n_drop <= n_rs) {
+                // exact: within the last decode, and the anchor is always kept (see DESIGN, facts added later)
+                drop_from(ctx_tgt, p0 + a + 1, "target");
+                r.rollback = "snapshot";
+            } else {
+                if (!restore_state(step_ckpt)) {
+                    fail("could not restore the target's recurrent checkpoint");
+                }
+                drop_from(ctx_tgt, p0, "target");
+                replay(block.data(), a + 1, p0);
+                r.rollback = "checkpoint";
+            }
+            r.rollback_ms += ms_since(t0);
         }
         if (ctx_dft && capture) {
             const auto t2 = std::chrono::steady_clock::now();
@@ -1079,9 +1167,11 @@ private:
             cb_rows.resize((size_t) n * n_embd);
         }
         n_out = 0;
+        collecting = true;
         process(ctx_tgt, batch_tgt, "target decode");
         n_out = logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0;
         llama_synchronize(ctx_tgt);
+        collecting = false;
         if (!capture || layers.empty()) {
             feat_rows = 0;
         } else if (layer_api) {
@@ -1109,7 +1199,7 @@ private:
     static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
         auto * self = (Session *) user;
         const char * name = ggml_get_name(t);
-        if (!self->capture || strncmp(name, "l_out-", 6) != 0) {
+        if (!self->capture || !self->collecting || strncmp(name, "l_out-", 6) != 0) {
             return ask ? false : true;
         }
         const int lid = atoi(name + 6) + 1;
@@ -1135,6 +1225,17 @@ private:
         }
         self->rows_seen[k] += rows;
         return true;
+    }
+
+    // Decode n tokens again at pos0.. into the target's caches after a checkpoint restore, leaving the features and
+    // logits of the verify batch untouched (the replay has no outputs: logits() has no rows after it).
+    void replay(const llama_token * toks, int n, int pos0) {
+        llama_batch_ext_clear(batch_tgt);
+        for (int i = 0; i < n; ++i) {
+            add_token(batch_tgt, toks[i], pos0 + i, false);
+        }
+        n_out = 0;
+        process(ctx_tgt, batch_tgt, "target replay");
     }
 
     // Write the features of rows [0, n) of the last target decode into the drafter's cache at positions pos0...
@@ -1281,16 +1382,19 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
         .def_readonly("sample_ms", &StepResult::sample_ms)
+        .def_readonly("rollback_ms", &StepResult::rollback_ms)
+        .def_readonly("rollback", &StepResult::rollback)
         .def_readonly("step_ms", &StepResult::step_ms);
 
     py::class_<Session>(m, "Session")
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
-                         bool use_layer_api, bool flash_attn, bool verbose) {
+                         bool use_layer_api, bool flash_attn, bool verbose, int n_rs_seq) {
                  return new Session(target, drafter, std::move(layers), n_ctx, n_threads, use_layer_api, flash_attn,
-                                    verbose);
+                                    verbose, n_rs_seq);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
              py::arg("use_layer_api"), py::arg("flash_attn") = false, py::arg("verbose") = false,
+             py::arg("n_rs_seq") = -1,
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
         .def_property("verbose", [](const Session & ss) { return ss.verbose.load(); },
                       [](Session & ss, bool v) { ss.verbose = v; })
@@ -1298,6 +1402,10 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_ctx", &Session::context_size)
         .def_property_readonly("has_drafter", &Session::has_drafter)
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
+        .def_property_readonly("recurrent", &Session::is_recurrent)
+        .def_property_readonly("n_rs_seq", &Session::snapshots)
+        .def_property_readonly("checkpoint_pos", &Session::checkpoint_pos)
+        .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampling"), py::arg("index"),
