@@ -339,7 +339,10 @@ def write_tiny_qwen35(path, *, seed=3, n_embd=64, n_layer=4, full_attention_inte
             w.add_tensor(p + "ffn_up.weight", init.linear(n_ff, n_embd))
             w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff, 2.0))
         w.add_tensor("output_norm.weight", init.norm(n_embd))
-        w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
+        head = init.linear(n_vocab, n_embd, gain=4.0)
+        # control tokens get logit 0, never the largest: generations run to max_tokens, over hundreds of steps
+        head[[tok["special"][t] for t in SPECIAL_TOKENS]] = 0.0
+        w.add_tensor("output.weight", head)
 
     return write_gguf_atomic(path, arch, fill)
 
