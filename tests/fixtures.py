@@ -250,7 +250,7 @@ def write_tiny_drafter(path, target_path, *, target_layers=(2, 3), block_size=8,
 
 
 def write_tiny_mamba(path, *, n_embd=32, n_layer=2, d_inner=64, d_state=8, d_conv=4, dt_rank=4) -> Path:
-    """Random-weight mamba (recurrent memory) model with the tiny tokenizer: a target DFlash must refuse."""
+    """Random-weight mamba (purely recurrent memory) model with the tiny tokenizer."""
     tok = build_tokenizer()
     n_vocab = len(tok["tokens"])
     init = _Init(2)
