@@ -183,7 +183,7 @@ def markdown(result: dict) -> str:
                  + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
-              f"Rollback {o['rollback_ms_per_rollback']:.2f} ms per rejected draft ({o['rollbacks']} rollbacks, "
+              f"Rollback {o['rollback_ms_per_rollback']:.3f} ms per rejected draft ({o['rollbacks']} rollbacks, "
               f"{o['checkpoint_rollbacks']} by checkpoint + replay). "
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "

@@ -3,7 +3,8 @@
 // A Session owns a target context and, optionally, a DFlash drafter context that borrows the target's token
 // embeddings and LM head (ctx_other). draft() proposes a block from the drafter; step() verifies a proposal (from
 // this drafter or any other) with the target in one batch, accepts the longest agreeing prefix plus the target's own
-// token, rolls back both KV caches and feeds the accepted positions' target features to the drafter.
+// token, rolls back both caches (a recurrent target's state by snapshot, or by checkpoint and replay) and feeds the
+// accepted positions' target features to the drafter.
 
 #include "llama.h"
 #include "ggml-backend.h"
@@ -678,8 +679,9 @@ struct StepResult {
 // Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
 // NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
 // [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
-// before use). Should llama.cpp refuse even that rollback, both caches are emptied and n_past is 0. Either way the
-// session stays usable and n_past says what the caches hold.
+// before use). Should llama.cpp refuse even that rollback, or the target have recurrent memory (whose state at the
+// call's start is gone), both caches are emptied and n_past is 0. Either way the session stays usable and n_past
+// says what the caches hold.
 class Session {
 public:
     // n_rs_seq: recurrent-state snapshots kept for rolling back drafts (-1: the longest draft of the drafter);

@@ -187,3 +187,20 @@ def test_bench_reports_the_rollback_cost(hybrid_ckpt):
     assert o["rollback_ms_per_rollback"] > 0 and o["rollback_ms_per_step"] > 0
     assert sorted(o["verify_ms"]) == list(range(1, 9))  # measured from the checkpoint each time
     assert "rollback_ms_per_step" in result["rows"][0]
+
+
+def test_a_failed_call_empties_a_recurrent_session(qwen35, qwen35_drafter):
+    """A drafter given three feature layers where it was made for two rejects them after the target decoded the
+    prompt: the recurrent state has moved on and cannot be cut back, so both caches are emptied, and the session
+    then decodes as a fresh one."""
+    tgt, dft = _native.Model(str(qwen35)), _native.Model(str(qwen35_drafter), 0, True)
+    ids = tgt.tokenize("The quick brown fox jumps over", True, False)
+    sp = _native.Sampling()
+    s = _native.Session(tgt, dft, [1, 2, 3], 128, 2, True, False)
+    with pytest.raises(_native.NativeError, match="rejected the target features"):
+        s.prefill(ids, sp, 0)
+    assert s.n_past == 0 and s.checkpoint_pos == -1
+    s.set_capture(False)
+    fresh = _native.Session(tgt, None, [], 128, 2, True, False)
+    assert s.prefill(ids, sp, 0) == fresh.prefill(ids, sp, 0)
+    np.testing.assert_array_equal(s.logits(-1), fresh.logits(-1))
