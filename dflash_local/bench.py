@@ -60,6 +60,7 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int,
     engine.cache.clear()  # the session is driven by hand here
     ids = engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"])
     last = s.prefill(ids, sp, 0)
+    s.checkpoint()  # a recurrent target's state comes back to p0 from here (a no-op for others)
     curve = {}
     for k in range(1, block + 1):
         times = []
@@ -108,6 +109,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             "acceptance_rate": s.acceptance_rate,
             "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
             "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
+            "rollback_ms_per_step": s.rollback_ms / s.steps if s.steps else 0.0,
             "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
             "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
             "lossless": spec.token_ids == base.token_ids == fixed.token_ids,
@@ -135,6 +137,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     n_tokens = sum(r["tokens"] for r in rows)
     tau = (sum(s.n_accepted for s in sums) + steps) / steps if steps else 0.0
     draft_ms = sum(s.draft_ms for s in sums) / steps if steps else 0.0
+    n_rollbacks = sum(s.n_rollbacks for s in sums)
     overall = {
         "baseline_tokens_per_second": n_tokens / base_time if base_time else 0.0,
         "dflash_tokens_per_second": n_tokens / spec_time if spec_time else 0.0,
@@ -143,6 +146,11 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
         "verify_ms": curve,
         "draft_ms_per_step": draft_ms,
+        # fixed-block runs: the time dropping rejected drafts, per step and per step that rolled back
+        "rollback_ms_per_step": sum(s.rollback_ms for s in sums) / steps if steps else 0.0,
+        "rollback_ms_per_rollback": sum(s.rollback_ms for s in sums) / n_rollbacks if n_rollbacks else 0.0,
+        "checkpoint_rollbacks": sum(s.n_checkpoint_rollbacks for s in sums),
+        "rollbacks": n_rollbacks,
         "ideal_speedup": tau * curve[1] / (curve[block] + draft_ms) if block in curve else 0.0,
         "lossless": all(r["lossless"] for r in rows),
         "block_size": block,
@@ -175,6 +183,8 @@ def markdown(result: dict) -> str:
                  + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
+              f"Rollback {o['rollback_ms_per_rollback']:.3f} ms per rejected draft ({o['rollbacks']} rollbacks, "
+              f"{o['checkpoint_rollbacks']} by checkpoint + replay). "
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
               f"Lossless: {o['lossless']}."]

@@ -191,7 +191,7 @@ def stats_line(s) -> str:
         line += (
             f"\nsteps {s.steps}, mean acceptance length {s.mean_acceptance_length:.2f}; per step: "
             f"draft {s.draft_ms / s.steps:.1f} ms, verify {s.verify_ms / s.steps:.1f} ms, "
-            f"other {s.other_ms / s.steps:.2f} ms ({100 * s.other_fraction:.1f}%)"
+            f"rollback {s.rollback_ms / s.steps:.2f} ms, other {s.other_ms / s.steps:.2f} ms ({100 * s.other_fraction:.1f}%)"
         )
     if s.drafting and s.acceptance_rate:
         line += "\nacceptance by block position: " + " ".join(f"{r:.2f}" for r in s.acceptance_rate)
@@ -240,6 +240,7 @@ def cmd_generate(args) -> int:
                             "mean_acceptance_length": s.mean_acceptance_length,
                             "draft_ms": s.draft_ms,
                             "verify_ms": s.verify_ms,
+                            "rollback_ms": s.rollback_ms,
                             "other_ms": s.other_ms,
                             "steps": s.steps,
                             "n_prompt": s.n_prompt,

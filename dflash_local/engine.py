@@ -88,6 +88,7 @@ class Engine:
         verbose: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        n_rs_seq: int | None = None,
     ):
         """capture: how target features are read: 'auto' (from the architecture), 'layer_api' or 'callback'.
 
@@ -106,6 +107,10 @@ class Engine:
 
         chat_template replaces the GGUF's chat template; chat_template_kwargs are extra variables for it (such as
         enable_thinking), under those of each request.
+
+        n_rs_seq: for targets with recurrent memory (Qwen3.5, Mamba, ...), the per-token state snapshots llama.cpp
+        keeps to roll back rejected drafts (default: the longest draft). A rollback they do not cover restores a
+        checkpoint and decodes the accepted tokens again; architectures without snapshots always do that.
         """
         if capture not in ("auto", "layer_api", "callback"):
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
@@ -152,12 +157,20 @@ class Engine:
             sh = self.drafter.model.shape
             self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token)
 
+        trained = self.spec.block_size if self.spec else 1
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be at least 1, got {block_size}")
+        self.block_size = min(block_size or trained, trained)
+        if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
+            raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
+
         layers = self.spec.layers if self.spec else []
         arch = self.target_info.arch
         use_layer_api = capture == "layer_api" or (capture == "auto" and _native.arch_records_layer_inputs(arch))
         self.session = _native.Session(
             self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api,
-            FLASH_ATTN[placement.fa], verbose, **placement.session_kwargs()
+            FLASH_ATTN[placement.fa], verbose, **placement.session_kwargs(),
+            n_rs_seq=self.block_size - 1 if n_rs_seq is None else n_rs_seq,
         )
         self.n_ctx = self.n_ctx or self.session.n_ctx
         if self.draft_model is not None:
@@ -171,10 +184,6 @@ class Engine:
             and placement.n_gpu_layers == 0
             and _native.cpu_matmul_batch_invariant()
         )
-        trained = self.spec.block_size if self.spec else 1
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be at least 1, got {block_size}")
-        self.block_size = min(block_size or trained, trained)
         self.draft_policy = draft_policy
         self.spec_sampling = spec_sampling
         self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
@@ -421,10 +430,14 @@ class Engine:
                     n_tokens=len(out.ids) - n_out,
                     draft_ms=draft_ms,
                     verify_ms=r.verify_ms,
-                    other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms, 0.0),
+                    rollback_ms=r.rollback_ms,
+                    other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
+                    rollback=r.rollback,
                 )
                 tracker.add(stats)
-                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms, stats.draft_ms, r.sample_ms)
+                # a rejected draft's rollback is part of what verifying it cost
+                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms, stats.draft_ms,
+                              r.sample_ms)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -448,7 +461,7 @@ class Engine:
     def _reuse_cache(self, ids: list[int], drafter: Drafter | None) -> int:
         """Cut the caches back to the prefix of the prompt they can keep; return its length."""
         self.session.set_capture(drafter is not None)  # a drafter needs the target's features
-        n = self.cache.reusable(ids, drafter)
+        n = self.cache.reusable(ids, drafter, self.session)
         self.cache.truncate(self.session, n)
         for d in (self.drafter, drafter):  # the engine's own drafter too: what it held past n is stale now
             if d is not None:
@@ -458,12 +471,20 @@ class Engine:
     def _prefill(self, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
         """Decode the prompt after the cached prefix; return the first generated token."""
         s = self.session
+        # a recurrent state cannot be cut back later: checkpoint it before the prompt's last token, where the next
+        # prompt that repeats or extends this one can start again (PromptCache.reusable)
+        ends = [len(ids) - 1, len(ids)] if s.recurrent and len(ids) - 1 > n_cached else [len(ids)]
         chunk_size = s.n_batch  # one native decode: features() holds the last decode's rows only
-        for off in range(n_cached, len(ids), chunk_size):
-            chunk = ids[off : off + chunk_size]
-            first = s.prefill(chunk, sampler if off + chunk_size >= len(ids) else None, 0)
-            if drafter:
-                drafter.extend(s, off, len(chunk))
+        off = n_cached
+        for end in ends:
+            while off < end:
+                chunk = ids[off : min(off + chunk_size, end)]
+                first = s.prefill(chunk, sampler if off + len(chunk) == len(ids) else None, 0)
+                if drafter:
+                    drafter.extend(s, off, len(chunk))
+                off += len(chunk)
+            if end < len(ids):
+                s.checkpoint()
         return first
 
     def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,

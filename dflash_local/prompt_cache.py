@@ -15,15 +15,17 @@ class PromptCache:
     n_captured: int = 0  # of those positions, how many were decoded with feature capture on (the session's drafter
     # holds their features)
 
-    def reusable(self, ids: list[int], drafter=None) -> int:
+    def reusable(self, ids: list[int], drafter=None, session=None) -> int:
         """How many leading tokens of the prompt `ids` can stay: the prefix shared with the cache, less at least one
         prompt token, whose logits give the first generated token; when drafting, only positions the drafters hold
-        features of."""
+        features of. A recurrent target's state exists only at the end of the cache and at its checkpoint."""
         n, limit = 0, min(len(self.tokens), len(ids) - 1)
         while n < limit and self.tokens[n] == ids[n]:
             n += 1
         if drafter is not None:
             n = min(n, self.n_captured, drafter.context())
+        if session is not None and session.recurrent and n != session.n_past:
+            n = session.checkpoint_pos if 0 < session.checkpoint_pos <= n else 0
         return n
 
     def truncate(self, session, n: int) -> None:

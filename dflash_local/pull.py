@@ -38,10 +38,8 @@ REGISTRY = [
     Pair("gpt-oss-120b", "ggml-org/gpt-oss-120b-GGUF", "z-lab/gpt-oss-120b-DFlash", quant="mxfp4"),
     Pair("gemma-4-26b-a4b-it", "unsloth/gemma-4-26B-A4B-it-GGUF", "z-lab/gemma-4-26B-A4B-it-DFlash"),
     Pair("gemma-4-31b-it", "unsloth/gemma-4-31B-it-GGUF", "z-lab/gemma-4-31B-it-DFlash"),
-    Pair("qwen3.5-4b", "unsloth/Qwen3.5-4B-GGUF", "z-lab/Qwen3.5-4B-DFlash",
-         note="Qwen3.5 has hybrid (recurrent) memory, which this release refuses as a target"),
-    Pair("qwen3.5-9b", "unsloth/Qwen3.5-9B-GGUF", "z-lab/Qwen3.5-9B-DFlash",
-         note="Qwen3.5 has hybrid (recurrent) memory, which this release refuses as a target"),
+    Pair("qwen3.5-4b", "unsloth/Qwen3.5-4B-GGUF", "z-lab/Qwen3.5-4B-DFlash"),
+    Pair("qwen3.5-9b", "unsloth/Qwen3.5-9B-GGUF", "z-lab/Qwen3.5-9B-DFlash"),
 ]
 
 

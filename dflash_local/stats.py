@@ -14,10 +14,12 @@ class StepStats:
     draft_ms: float  # drafter compute (noise block and feature injection)
     verify_ms: float  # target compute (the verify batch)
     other_ms: float  # everything else: sampling, bookkeeping, Python
+    rollback_ms: float = 0.0  # dropping rejected drafts from the target: KV cut, or recurrent checkpoint + replay
+    rollback: str = ""  # how: "" (nothing rejected), "kv", "snapshot" or "checkpoint" (README, "Hybrid and recurrent targets")
 
     @property
     def step_ms(self) -> float:
-        return self.draft_ms + self.verify_ms + self.other_ms
+        return self.draft_ms + self.verify_ms + self.rollback_ms + self.other_ms
 
 
 @dataclass
@@ -32,6 +34,9 @@ class Summary:
     draft_ms: float
     verify_ms: float
     other_ms: float
+    rollback_ms: float
+    n_rollbacks: int  # steps that dropped rejected drafts
+    n_checkpoint_rollbacks: int  # of those, by recurrent checkpoint + replay
     n_drafted: int
     n_accepted: int
     accepted_at: list[int] = field(default_factory=list)  # per block position: drafts accepted there
@@ -39,7 +44,7 @@ class Summary:
 
     @property
     def decode_ms(self) -> float:
-        return self.draft_ms + self.verify_ms + self.other_ms
+        return self.draft_ms + self.verify_ms + self.rollback_ms + self.other_ms
 
     @property
     def tokens_per_second(self) -> float:
@@ -101,6 +106,9 @@ class StatsTracker:
             draft_ms=sum(s.draft_ms for s in st),
             verify_ms=sum(s.verify_ms for s in st),
             other_ms=sum(s.other_ms for s in st),
+            rollback_ms=sum(s.rollback_ms for s in st),
+            n_rollbacks=sum(1 for s in st if s.rollback),
+            n_checkpoint_rollbacks=sum(1 for s in st if s.rollback == "checkpoint"),
             n_drafted=sum(s.n_drafted for s in st),
             n_accepted=sum(s.n_accepted for s in st),
             accepted_at=list(self.accepted_at),

@@ -3,7 +3,8 @@
 // A Session owns a target context and, optionally, a DFlash drafter context that borrows the target's token
 // embeddings and LM head (ctx_other). draft() proposes a block from the drafter; step() verifies a proposal (from
 // this drafter or any other) with the target in one batch, accepts the longest agreeing prefix plus the target's own
-// token, rolls back both KV caches and feeds the accepted positions' target features to the drafter.
+// token, rolls back both caches (a recurrent target's state by snapshot, or by checkpoint and replay) and feeds the
+// accepted positions' target features to the drafter.
 
 #include "llama.h"
 #include "ggml-backend.h"
@@ -1160,7 +1161,9 @@ struct StepResult {
     double draft_ms   = 0.0;               // drafter compute: feature injection
     double verify_ms  = 0.0;               // target compute: the verify batch
     double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
+    double rollback_ms = 0.0;              // dropping the rejected drafts from the target (checkpoint and replay too)
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
+    std::string rollback;                  // how they were dropped: "" (none rejected), "kv", "snapshot", "checkpoint"
 };
 
 // The llama_context_params fields a user sets (llama.cpp's -c, -b, -ub, -t, -tb, -fa, -ctk, -ctv, -ctkd, -ctvd).
@@ -1175,6 +1178,7 @@ struct ContextOptions {
     ggml_type type_v = GGML_TYPE_F16;
     ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation
     ggml_type type_v_draft = GGML_TYPE_F32;
+    int n_rs_seq = -1;  // recurrent-state snapshots for rolling back drafts (-1: the drafter's longest draft)
 };
 
 // KV cache types as llama.cpp's common/arg.cpp offers them, by ggml's names.
@@ -1191,17 +1195,20 @@ static ggml_type cache_type(const std::string & name) {
 // Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
 // NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
 // [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
-// before use). Should llama.cpp refuse even that rollback, both caches are emptied and n_past is 0. Either way the
-// session stays usable and n_past says what the caches hold.
+// before use). Should llama.cpp refuse even that rollback, or the target have recurrent memory (whose state at the
+// call's start is gone), both caches are emptied and n_past is 0. Either way the session stays usable and n_past
+// says what the caches hold.
 class Session {
 public:
+    // opt.n_rs_seq: recurrent-state snapshots kept for rolling back drafts (-1: the longest draft of the drafter);
+    // only architectures whose llama.cpp supports them keep any, the others roll back by checkpoint and replay.
     Session(Model & target, Model * drafter, std::vector<int> layers, const ContextOptions & opt, bool use_layer_api,
             bool verbose)
         : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api), verbose(verbose) {
         LogScope log(verbose);
         check_arguments(opt);
         try {
-            create_contexts(opt);
+            create_contexts(opt, opt.n_rs_seq < 0 ? (dft ? block_size - 1 : 0) : opt.n_rs_seq);
         } catch (...) {
             free_all();  // the destructor does not run for a constructor that throws
             throw;
@@ -1242,15 +1249,24 @@ public:
         }
         return out;
     }
+    bool is_recurrent() const { return recurrent; }
+    int snapshots() const { return n_rs; }
+    int checkpoint_pos() const { return prompt_ckpt_pos; }
 
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
     void set_capture(bool on) { capture = on; }
 
     // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
+    // A recurrent state cannot be cut anywhere: a recurrent target goes back to 0 or to its checkpoint only.
     void truncate(int n) {
         if (n < 0 || n > past) {
             throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " + std::to_string(past) +
                                     " cached tokens");
+        }
+        if (recurrent && n != 0 && n != past && n != prompt_ckpt_pos) {
+            throw std::invalid_argument("the recurrent target can go back to position 0 or " +
+                                        std::to_string(prompt_ckpt_pos) + " (its checkpoint), not " +
+                                        std::to_string(n));
         }
         LogScope log(verbose);
         if (!keep(n)) {
@@ -1284,6 +1300,17 @@ public:
             }
             return s->next(logits_row(ctx_tgt, -1, "target"), index, cand);
         });
+    }
+
+    // Save the target's recurrent state at the current position: truncate() can come back to it later (one
+    // checkpoint, replacing the previous one). A no-op for targets without recurrent memory.
+    void checkpoint() {
+        if (!recurrent) {
+            return;
+        }
+        LogScope log(verbose);
+        save_state(prompt_ckpt);
+        prompt_ckpt_pos = past;
     }
 
     // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
@@ -1395,6 +1422,16 @@ private:
     int past = 0;
     int n_out = 0;  // output (logits) rows of the last target decode
 
+    // Recurrent (and hybrid) targets: their recurrent state cannot drop positions like a KV cache. llama.cpp keeps
+    // per-token snapshots of the last decode (n_rs of them, where the architecture supports it); a rollback longer
+    // than that restores a checkpoint taken before the verify batch and decodes the accepted tokens again.
+    bool recurrent = false;
+    int n_rs = 0;
+    std::vector<uint8_t> step_ckpt;    // the recurrent state before the current verify batch
+    std::vector<uint8_t> prompt_ckpt;  // the recurrent state at prompt_ckpt_pos, for the prefix cache
+    int prompt_ckpt_pos = -1;
+    bool collecting = false;           // the eval callback copies features only during decode_target
+
     std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
     int feat_rows = 0;
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
@@ -1403,6 +1440,10 @@ private:
 
     // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
     void check_arguments(const ContextOptions & o) {
+        if (o.n_rs_seq > o.n_batch) {  // a snapshot per token of one decode at most
+            throw std::invalid_argument("n_rs_seq must be at most n_batch (" + std::to_string(o.n_batch) + "), got " +
+                                        std::to_string(o.n_rs_seq));
+        }
         if (o.n_ctx != 0 && o.n_ctx < 2) {
             throw std::invalid_argument("n_ctx must be 0 (the model's) or at least 2, got " + std::to_string(o.n_ctx));
         }
@@ -1421,10 +1462,7 @@ private:
             (ggml_is_quantized(o.type_v) || (dft && ggml_is_quantized(o.type_v_draft)))) {
             throw std::invalid_argument("a quantized V cache needs flash attention (flash_attn on or auto)");
         }
-        if (llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model)) {
-            throw std::invalid_argument("the '" + tgt.arch() + "' target has recurrent or hybrid memory, which "
-                                        "cannot roll back drafted tokens; such targets are not supported yet");
-        }
+        recurrent = llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model);
         n_embd = llama_model_n_embd(tgt.model);
         const int n_layer = llama_model_n_layer(tgt.model);
         for (size_t k = 0; k < layers.size(); ++k) {
@@ -1467,10 +1505,12 @@ private:
         }
     }
 
-    void create_contexts(const ContextOptions & o) {
+    void create_contexts(const ContextOptions & o, int n_rs_seq) {
         llama_context_params cp = context_params(o, o.n_ctx, o.n_batch, o.n_ubatch);
         cp.type_k = o.type_k;
         cp.type_v = o.type_v;
+        // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
+        cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
         // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
@@ -1485,6 +1525,7 @@ private:
         }
         n_ctx = (int) llama_n_ctx(ctx_tgt);
         n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
+        n_rs = (int) llama_n_rs_seq(ctx_tgt);
         batch_tgt = new_batch(ctx_tgt);
         if (layer_api) {
             for (int lid : layers) {
@@ -1546,20 +1587,27 @@ private:
         try {
             return f();
         } catch (...) {
-            // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact
+            // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact; a
+            // recurrent state may have moved past p0 with past unchanged, and is emptied
             feat_rows = 0;
             n_out = 0;
+            collecting = false;
             draft_rows.clear();
             q_tokens.clear();
-            keep(p0);
+            keep(recurrent ? 0 : p0);
             throw;
         }
     }
 
     // Make both caches hold the positions [0, n) only. If llama.cpp refuses to drop part of a sequence, empty both
-    // and return false.
+    // and return false. A recurrent target's state is only known at past and at its checkpoint: elsewhere (a failed
+    // call going back to its start, after decoding) it is emptied too.
     bool keep(int n) {
-        bool ok = llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+        bool ok = true;
+        if (recurrent && n != past && n != 0) {
+            ok = n == prompt_ckpt_pos && restore_state(prompt_ckpt);
+        }
+        ok = ok && llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
         if (ctx_dft) {
             ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
         }
@@ -1571,7 +1619,25 @@ private:
             }
             past = 0;
         }
+        if (prompt_ckpt_pos > past) {
+            prompt_ckpt_pos = -1;
+            prompt_ckpt.clear();
+        }
         return ok;
+    }
+
+    static constexpr llama_state_seq_flags partial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+
+    // The target's recurrent state (not its attention KV cache, which drops positions by itself).
+    void save_state(std::vector<uint8_t> & buf) {
+        buf.resize(llama_state_seq_get_size_ext(ctx_tgt, 0, partial));
+        if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) != buf.size()) {
+            fail("could not save the target's recurrent state");
+        }
+    }
+
+    bool restore_state(const std::vector<uint8_t> & buf) {
+        return !buf.empty() && llama_state_seq_set_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) == buf.size();
     }
 
     static void drop_from(llama_context * ctx, llama_pos p0, const char * which) {
@@ -1613,6 +1679,14 @@ private:
         block.push_back(last);
         block.insert(block.end(), r.draft.begin(), r.draft.end());
 
+        // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more, so keep a checkpoint
+        const bool ckpt = recurrent && (int) r.draft.size() > n_rs;
+        if (ckpt) {
+            const auto t0 = std::chrono::steady_clock::now();
+            save_state(step_ckpt);
+            r.rollback_ms += ms_since(t0);
+        }
+
         const auto t1 = std::chrono::steady_clock::now();
         decode_target(block.data(), (int) block.size(), past, LogitsAll);
         r.verify_ms = ms_since(t1);
@@ -1636,8 +1710,25 @@ private:
         r.sample_ms  = ms_since(t_sample);
 
         const int p0 = past;
-        if (a + 1 < (int) block.size()) {
-            drop_from(ctx_tgt, p0 + a + 1, "target");
+        const int n_drop = (int) block.size() - (a + 1);
+        if (n_drop > 0) {
+            const auto t0 = std::chrono::steady_clock::now();
+            if (!recurrent) {
+                drop_from(ctx_tgt, p0 + a + 1, "target");
+                r.rollback = "kv";
+            } else if (n_drop <= n_rs) {
+                // exact: within the last decode, and the anchor is always kept (see DESIGN, facts added later)
+                drop_from(ctx_tgt, p0 + a + 1, "target");
+                r.rollback = "snapshot";
+            } else {
+                if (!restore_state(step_ckpt)) {
+                    fail("could not restore the target's recurrent checkpoint");
+                }
+                drop_from(ctx_tgt, p0, "target");
+                replay(block.data(), a + 1, p0);
+                r.rollback = "checkpoint";
+            }
+            r.rollback_ms += ms_since(t0);
         }
         if (ctx_dft && capture) {
             const auto t2 = std::chrono::steady_clock::now();
@@ -1662,9 +1753,11 @@ private:
             cb_rows.resize((size_t) n * n_embd);
         }
         n_out = 0;
+        collecting = true;
         process(ctx_tgt, batch_tgt, "target decode");
         n_out = logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0;
         llama_synchronize(ctx_tgt);
+        collecting = false;
         if (!capture || layers.empty()) {
             feat_rows = 0;
         } else if (layer_api) {
@@ -1692,7 +1785,7 @@ private:
     static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
         auto * self = (Session *) user;
         const char * name = ggml_get_name(t);
-        if (!self->capture || strncmp(name, "l_out-", 6) != 0) {
+        if (!self->capture || !self->collecting || strncmp(name, "l_out-", 6) != 0) {
             return ask ? false : true;
         }
         const int lid = atoi(name + 6) + 1;
@@ -1718,6 +1811,17 @@ private:
         }
         self->rows_seen[k] += rows;
         return true;
+    }
+
+    // Decode n tokens again at pos0.. into the target's caches after a checkpoint restore, leaving the features and
+    // logits of the verify batch untouched (the replay has no outputs: logits() has no rows after it).
+    void replay(const llama_token * toks, int n, int pos0) {
+        llama_batch_ext_clear(batch_tgt);
+        for (int i = 0; i < n; ++i) {
+            add_token(batch_tgt, toks[i], pos0 + i, false);
+        }
+        n_out = 0;
+        process(ctx_tgt, batch_tgt, "target replay");
     }
 
     // Write the features of rows [0, n) of the last target decode into the drafter's cache at positions pos0...
@@ -1948,23 +2052,25 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
         .def_readonly("sample_ms", &StepResult::sample_ms)
+        .def_readonly("rollback_ms", &StepResult::rollback_ms)
+        .def_readonly("rollback", &StepResult::rollback)
         .def_readonly("step_ms", &StepResult::step_ms);
 
     py::class_<Session>(m, "Session")
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
                          bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
                          int n_ubatch, const std::string & type_k, const std::string & type_v,
-                         const std::string & type_k_draft, const std::string & type_v_draft) {
+                         const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq) {
                  const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
                  ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
-                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft)};
+                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft), n_rs_seq};
                  return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
              py::arg("use_layer_api"), py::arg("flash_attn") = 0, py::arg("verbose") = false, py::kw_only(),
              py::arg("n_threads_batch") = 0, py::arg("n_batch") = 512, py::arg("n_ubatch") = 512,
              py::arg("type_k") = "f16", py::arg("type_v") = "f16", py::arg("type_k_draft") = "f32",
-             py::arg("type_v_draft") = "f32",
+             py::arg("type_v_draft") = "f32", py::arg("n_rs_seq") = -1,
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("n_batch", &Session::batch_size)
         .def_property_readonly("n_ubatch", &Session::ubatch_size)
@@ -1977,6 +2083,10 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_ctx", &Session::context_size)
         .def_property_readonly("has_drafter", &Session::has_drafter)
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
+        .def_property_readonly("recurrent", &Session::is_recurrent)
+        .def_property_readonly("n_rs_seq", &Session::snapshots)
+        .def_property_readonly("checkpoint_pos", &Session::checkpoint_pos)
+        .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),

@@ -290,18 +290,8 @@ def write_tiny_drafter(path, target_path, *, target_layers=(2, 3), block_size=8,
                         n_head=4, n_head_kv=2, head_dim=16, n_ff=128, seed=1, **kw)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python tests/fixtures.py OUTDIR")
-    out = Path(sys.argv[1])
-    tgt = write_tiny_target(out / "tiny-target.gguf")
-    dft = write_tiny_drafter(out / "tiny-drafter.gguf", tgt)
-    print(tgt)
-    print(dft)
-
-
 def write_tiny_mamba(path, *, n_embd=32, n_layer=2, d_inner=64, d_state=8, d_conv=4, dt_rank=4) -> Path:
-    """Random-weight mamba (recurrent memory) model with the tiny tokenizer: a target DFlash must refuse."""
+    """Random-weight mamba (purely recurrent memory) model with the tiny tokenizer."""
     tok = build_tokenizer()
     n_vocab = len(tok["tokens"])
     init = _Init(2)
@@ -336,3 +326,73 @@ def write_tiny_mamba(path, *, n_embd=32, n_layer=2, d_inner=64, d_state=8, d_con
         w.add_tensor("output_norm.weight", init.norm(n_embd))
 
     return write_gguf_atomic(path, "mamba", fill)
+
+
+def write_tiny_qwen35(path, *, seed=3, n_embd=64, n_layer=4, full_attention_interval=2, n_head=4, n_head_kv=2,
+                      head_dim=16, n_ff=128, d_state=16, n_group=2, n_v_heads=4, d_conv=4) -> Path:
+    """Random-weight qwen35 (Qwen3.5) hybrid model: Gated DeltaNet layers with an attention layer every
+    `full_attention_interval` layers, as llama.cpp's qwen35 loader reads them (src/models/qwen35.cpp)."""
+    tok = build_tokenizer()
+    n_vocab = len(tok["tokens"])
+    init = _Init(seed)
+    arch = "qwen35"
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+
+    def fill(w):
+        w.add_name("tiny-qwen35")
+        _add_hparams(w, n_ctx=2048, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=n_head,
+                     n_head_kv=n_head_kv, head_dim=head_dim)
+        w.add_rope_dimension_count(head_dim)
+        # text-only positions: the M-RoPE sections only need to cover the rotated pairs
+        w.add_key_value(f"{arch}.rope.dimension_sections", [3, 3, 2, 0], gguf.GGUFValueType.ARRAY,
+                        gguf.GGUFValueType.INT32)
+        w.add_uint32(f"{arch}.full_attention_interval", full_attention_interval)
+        w.add_uint32(f"{arch}.ssm.conv_kernel", d_conv)
+        w.add_uint32(f"{arch}.ssm.inner_size", value_dim)
+        w.add_uint32(f"{arch}.ssm.state_size", d_state)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", n_v_heads)
+        w.add_uint32(f"{arch}.ssm.group_count", n_group)
+        _add_tokenizer(w, tok)
+        w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "post_attention_norm.weight", init.norm(n_embd))
+            if (i + 1) % full_attention_interval == 0:
+                # the query projection also yields the output gate: 2 * head_dim per head
+                w.add_tensor(p + "attn_q.weight", init.linear(2 * n_head * head_dim, n_embd))
+                w.add_tensor(p + "attn_k.weight", init.linear(n_head_kv * head_dim, n_embd))
+                w.add_tensor(p + "attn_v.weight", init.linear(n_head_kv * head_dim, n_embd))
+                w.add_tensor(p + "attn_output.weight", init.linear(n_embd, n_head * head_dim, 2.0))
+                w.add_tensor(p + "attn_q_norm.weight", init.norm(head_dim))
+                w.add_tensor(p + "attn_k_norm.weight", init.norm(head_dim))
+            else:
+                w.add_tensor(p + "attn_qkv.weight", init.linear(2 * key_dim + value_dim, n_embd))
+                w.add_tensor(p + "attn_gate.weight", init.linear(value_dim, n_embd))
+                w.add_tensor(p + "ssm_conv1d.weight", init.linear(2 * key_dim + value_dim, d_conv))
+                w.add_tensor(p + "ssm_dt.bias", init.norm(n_v_heads))
+                w.add_tensor(p + "ssm_a", -np.exp(init.rng.uniform(-1, 1, n_v_heads)).astype(np.float32))
+                w.add_tensor(p + "ssm_beta.weight", init.linear(n_v_heads, n_embd))
+                w.add_tensor(p + "ssm_alpha.weight", init.linear(n_v_heads, n_embd))
+                w.add_tensor(p + "ssm_norm.weight", init.norm(d_state))
+                w.add_tensor(p + "ssm_out.weight", init.linear(n_embd, value_dim, 2.0))
+            w.add_tensor(p + "ffn_gate.weight", init.linear(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", init.linear(n_ff, n_embd))
+            w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff, 2.0))
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+        head = init.linear(n_vocab, n_embd, gain=4.0)
+        # control tokens get logit 0, never the largest: generations run to max_tokens, over hundreds of steps
+        head[[tok["special"][t] for t in SPECIAL_TOKENS]] = 0.0
+        w.add_tensor("output.weight", head)
+
+    return write_gguf_atomic(path, arch, fill)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/fixtures.py OUTDIR")
+    out = Path(sys.argv[1])
+    tgt = write_tiny_target(out / "tiny-target.gguf")
+    dft = write_tiny_drafter(out / "tiny-drafter.gguf", tgt)
+    print(tgt)
+    print(dft)

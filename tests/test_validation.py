@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import numpy as np
-from fixtures import write_tiny_drafter, write_tiny_mamba, write_tiny_target
+from fixtures import write_tiny_drafter, write_tiny_target
 
 from dflash_local import Engine
 from dflash_local.gguf_file import GGUFError, read_gguf
@@ -109,7 +109,3 @@ def test_bad_drafter_from_the_cli_is_an_error_not_a_crash(tmp_path, tiny_target)
     assert "do not exist" in r.stderr
     assert "Traceback" not in r.stderr
 
-
-def test_recurrent_target_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="'mamba' target has recurrent or hybrid memory"):
-        Engine(write_tiny_mamba(tmp_path / "mamba.gguf"))
