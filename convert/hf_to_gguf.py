@@ -1,4 +1,4 @@
-"""`dflash-local convert`: a z-lab DFlash drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's `dflash` layout.
+"""`dflash-local convert`: a z-lab DFlash or DFlash2 drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's `dflash` layout.
 
 Only the target GGUF is needed besides the checkpoint: its tokenizer is copied into the drafter (llama.cpp requires
 the pair's vocabularies to match) and its shapes are checked against the drafter's before anything is written.
@@ -115,6 +115,9 @@ def _add_metadata(w: gguf.GGUFWriter, c: DrafterConfig, target: GGUFInfo, name: 
             raise ConvertError(f"config.json: RoPE scaling {kind!r} is not supported for DFlash drafters")
     add_dflash_keys(w, [i + 1 for i in c.target_layer_ids], c.block_size, c.causal,
                     noise_embedding_scale(target.arch, c.hidden, c.embedding_scale))
+    if c.selector_top_k:  # DFlash2: the selector_hidden tensor switches it on, these keys size it
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            w.add_uint32(f"dflash.{key}", getattr(c, key))
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
         w.add_key_value("dflash.attention.sliding_window_pattern", c.swa_layers, gguf.GGUFValueType.ARRAY,
