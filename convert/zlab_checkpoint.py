@@ -224,7 +224,8 @@ def _dflash2_fields(dc: dict, hidden: int, vocab_size, cfg_path: Path) -> dict:
     for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
         v = dc.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs dflash_config.{key} (a positive integer), got {v!r}")
+            raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs dflash_config.{key} (a positive integer), "
+                               f"got {v!r}")
         out[key] = v
     if hidden % out["conv_group_size"]:
         raise ConvertError(f"{cfg_path}: hidden_size {hidden} is not a multiple of conv_group_size "
@@ -234,7 +235,7 @@ def _dflash2_fields(dc: dict, hidden: int, vocab_size, cfg_path: Path) -> dict:
         raise ConvertError(f"{cfg_path}: selector_top_k {k} needs a hidden size of at least {k * (k + 1)}, "
                            f"not {hidden}")
     if not vocab_size:
-        raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs vocab_size (its selector codebooks have a row per token)")
+        raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs vocab_size (its selector has a row per token)")
     if k > vocab_size:
         raise ConvertError(f"{cfg_path}: selector_top_k {k} is larger than the vocabulary ({vocab_size})")
     return out

@@ -1,7 +1,8 @@
 """z-lab DFlash drafter checkpoints for tests, a NumPy reference forward, and a llama.cpp probe of the ggml drafter.
 
 - write_checkpoint: random weights in z-lab's exact layout (config.json with DFlashDraftModel and dflash_config,
-  BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory.
+  BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory;
+  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them).
 - Reference: the DFlash forward in float64 NumPy, written from the model's definition, not from the converter:
   ctx = hidden_norm(fc(features)); per layer, queries from the noise block only, keys/values from [ctx; noise]
   (ctx K/V from the ctx hidden itself, no input_layernorm, as llama.cpp's dflash graph does), per-head q/k RMS norm,
@@ -155,7 +156,8 @@ def _dflash2_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
            ("candidate_selector.hidden_projection.weight", (r, h))]
     for i in range(cfg["num_hidden_layers"]):
         for conv in ("attention_conv", "mlp_conv"):
-            out += [(f"layers.{i}.{conv}.base_kernel", (2, k, h)), (f"layers.{i}.{conv}.kernel_projection.weight", proj)]
+            out += [(f"layers.{i}.{conv}.base_kernel", (2, k, h)),
+                    (f"layers.{i}.{conv}.kernel_projection.weight", proj)]
     return out
 
 
