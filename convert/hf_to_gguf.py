@@ -1,4 +1,5 @@
-"""`dflash-local convert`: a z-lab DFlash drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's `dflash` layout.
+"""`dflash-local convert`: a z-lab DFlash or DFlash2 drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's
+`dflash` layout.
 
 Only the target GGUF is needed besides the checkpoint: its tokenizer is copied into the drafter (llama.cpp requires
 the pair's vocabularies to match) and its shapes are checked against the drafter's before anything is written.
@@ -115,6 +116,9 @@ def _add_metadata(w: gguf.GGUFWriter, c: DrafterConfig, target: GGUFInfo, name: 
             raise ConvertError(f"config.json: RoPE scaling {kind!r} is not supported for DFlash drafters")
     add_dflash_keys(w, [i + 1 for i in c.target_layer_ids], c.block_size, c.causal,
                     noise_embedding_scale(target.arch, c.hidden, c.embedding_scale))
+    if c.selector_top_k:  # DFlash2: the selector_hidden tensor switches it on, these keys size it
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            w.add_uint32(f"dflash.{key}", getattr(c, key))
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
         w.add_key_value("dflash.attention.sliding_window_pattern", c.swa_layers, gguf.GGUFValueType.ARRAY,
@@ -179,7 +183,7 @@ def convert_drafter(
     progress: bool = False,
     verbose: bool = False,
 ) -> ConvertResult:
-    """Convert a z-lab DFlash drafter (directory or Hub id) for `target` into a dflash GGUF at `output`."""
+    """Convert a z-lab DFlash or DFlash2 drafter (directory or Hub id) for `target` into a dflash GGUF at `output`."""
     t0 = time.perf_counter()
     if outtype not in OUTTYPES:
         raise ConvertError(f"unknown output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
@@ -268,8 +272,8 @@ def _convert_by_llama(tmp, tensors, ot, c, tgt, name, tok_kv, threads, progress,
 
 
 def add_convert_args(p) -> None:
-    p.add_argument("source", help="z-lab DFlash drafter: a directory (config.json + safetensors) or a Hub id "
-                                  "(org/name)")
+    p.add_argument("source", help="z-lab DFlash or DFlash2 drafter: a directory (config.json + safetensors) or a "
+                                  "Hub id (org/name)")
     p.add_argument("-m", "--target", required=True, help="the target model's GGUF (tokenizer and shapes come from it)")
     p.add_argument("-o", "--output", help="GGUF to write (default: <name>-<outtype>.gguf in the current directory)")
     p.add_argument("--outtype", choices=list(OUTTYPES), default="f16",

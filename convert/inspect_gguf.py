@@ -1,7 +1,7 @@
 """`dflash-local inspect FILE.gguf`: metadata, tensors and their types, read with the fast header reader.
 
-Big arrays (a 262k-token vocabulary) are summarised, not printed. For a DFlash drafter the settings the engine uses
-(feature layers, block size, mask token) come first.
+Big arrays (a 262k-token vocabulary) are summarised, not printed. For a DFlash drafter its variant (DFlash or
+DFlash2) and the settings the engine uses (feature layers, block size, mask token, DFlash2's selector) come first.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def summary(info: GGUFInfo) -> dict:
     }
     if info.arch == "dflash":
         layers = info.get("target_layers")
+        dflash2 = "selector_hidden.weight" in info.tensors  # what switches llama.cpp's dflash graph to DFlash2
         out["dflash"] = {
+            "variant": "DFlash2" if dflash2 else "DFlash",
             "target_layers": layers.values if isinstance(layers, ArrayInfo) else None,
             "block_size": info.get("block_size"),
             "mask_token_id": info.kv.get("tokenizer.ggml.mask_token_id"),
@@ -84,6 +86,9 @@ def summary(info: GGUFInfo) -> dict:
             "draft_vocab": info.tensors["d2t"].shape[0] if "d2t" in info.tensors else None,
             "own_lm_head": "output.weight" in info.tensors,
         }
+        if dflash2:
+            out["dflash"].update({k: info.get(k) for k in ("selector_top_k", "selector_rank", "conv_kernel_size",
+                                                          "conv_group_size")})
     return out
 
 
@@ -97,10 +102,14 @@ def format_text(s: dict, full: bool = False) -> str:
     d = s.get("dflash")
     if d:
         vocab = f", reduced draft vocabulary of {d['draft_vocab']} tokens" if d["draft_vocab"] else ""
+        dflash2 = ""
+        if d["variant"] == "DFlash2":
+            dflash2 = (f", selector top-{d['selector_top_k']} of rank {d['selector_rank']}, conv kernel "
+                       f"{d['conv_kernel_size']} in groups of {d['conv_group_size']}")
         lines.append(
-            f"DFlash drafter: {d['n_layer']} layers, hidden {d['hidden']}, "
+            f"{d['variant']} drafter: {d['n_layer']} layers, hidden {d['hidden']}, "
             f"target layers (inputs) {d['target_layers']}, block size {d['block_size']}, "
-            f"mask token {d['mask_token_id']}{vocab}"
+            f"mask token {d['mask_token_id']}{vocab}{dflash2}"
         )
     lines.append("")
     lines.append("metadata:")

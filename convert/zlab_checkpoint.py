@@ -4,6 +4,11 @@ The layout: config.json with `architectures: ["DFlashDraftModel"]`, Qwen3 fields
 ({target_layer_ids, mask_token_id}); weights in one or several safetensors shards (an index json maps names to
 shards when there are several), named without a `model.` prefix: fc, hidden_norm, layers.N.*, norm. No embeddings
 and no LM head: the target's are used. Everything is checked here, before a byte of output is written.
+
+DFlash2 (`DFlash2DraftModel`) adds to dflash_config conv_kernel_size, conv_group_size, selector_rank and
+selector_top_k, and to the weights a grouped dynamic convolution around each layer's attention and MLP
+(layers.N.{attention_conv,mlp_conv}.{base_kernel, kernel_projection.weight}) and a candidate selector
+(candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dflash_local.atomic import atomic_output
 from .errors import ConvertError
 from .safetensors_file import SafeTensor, read_header
 
-SUPPORTED_ARCHS = ("DFlashDraftModel",)
+SUPPORTED_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
 
 # z-lab name (after "layers.N.") -> GGUF name (after "blk.N."), as upstream llama.cpp's dflash architecture loads them
 _LAYER_NAMES = {
@@ -35,6 +40,11 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # DFlash2's convolutions; the base kernels have no ".weight" in either naming
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
 _GLOBAL_NAMES = {
     "fc.weight": "fc.weight",
@@ -43,6 +53,10 @@ _GLOBAL_NAMES = {
     "embed_tokens.weight": "token_embd.weight",  # optional: drafters normally borrow the target's
     "lm_head.weight": "output.weight",  # optional: present with a reduced draft vocabulary
     "d2t": "d2t",  # draft row -> target token, stored as offsets (target id = d2t[i] + i)
+    # DFlash2's candidate selector
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
 }
 _SKIPPED = ("t2d",)  # the inverse map, unused at runtime (upstream drops it too)
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -75,6 +89,15 @@ class DrafterConfig:
     logit_softcap: float | None = None
     value_scale: float | None = None
     name: str = ""
+    # DFlash2 only (None for DFlash)
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
+    @property
+    def variant(self) -> str:
+        return "DFlash2" if self.selector_top_k else "DFlash"
 
 
 @dataclass
@@ -163,6 +186,7 @@ def read_config(path: Path) -> DrafterConfig:
             if dc.get("use_swa") or not layer_types:
                 swa_layers = [True] * n_layer
     causal = cfg.get("is_causal", dc.get("causal", False))
+    dflash2 = _dflash2_fields(dc, hidden, cfg.get("vocab_size"), cfg_path) if "DFlash2DraftModel" in archs else {}
     return DrafterConfig(
         hidden=hidden,
         n_layer=n_layer,
@@ -189,7 +213,32 @@ def read_config(path: Path) -> DrafterConfig:
         logit_softcap=dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")),
         value_scale=dc.get("attention_value_scale"),
         name=str(cfg.get("_name_or_path") or path.name),
+        **dflash2,
     )
+
+
+def _dflash2_fields(dc: dict, hidden: int, vocab_size, cfg_path: Path) -> dict:
+    """DFlash2's settings, read from dflash_config (where upstream's converter reads them), checked as llama.cpp's
+    loader and graph will need them."""
+    out = {}
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = dc.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs dflash_config.{key} (a positive integer), "
+                               f"got {v!r}")
+        out[key] = v
+    if hidden % out["conv_group_size"]:
+        raise ConvertError(f"{cfg_path}: hidden_size {hidden} is not a multiple of conv_group_size "
+                           f"{out['conv_group_size']}")
+    k = out["selector_top_k"]
+    if k * (k + 1) > hidden:  # llama.cpp packs k candidates and k x k scores into one hidden-wide row
+        raise ConvertError(f"{cfg_path}: selector_top_k {k} needs a hidden size of at least {k * (k + 1)}, "
+                           f"not {hidden}")
+    if not vocab_size:
+        raise ConvertError(f"{cfg_path}: a DFlash2 drafter needs vocab_size (its selector has a row per token)")
+    if k > vocab_size:
+        raise ConvertError(f"{cfg_path}: selector_top_k {k} is larger than the vocabulary ({vocab_size})")
+    return out
 
 
 def find_tensors(path: Path) -> dict[str, SafeTensor]:
@@ -244,6 +293,17 @@ def _expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
             p + "ffn_up.weight": (c.n_ff, h),
             p + "ffn_down.weight": (h, c.n_ff),
         })
+        if c.selector_top_k:
+            conv = (2, c.conv_kernel_size, h)
+            proj = (2 * c.conv_kernel_size * (h // c.conv_group_size), h)
+            out.update({p + "attn_conv_base": conv, p + "attn_conv_proj.weight": proj,
+                        p + "ffn_conv_base": conv, p + "ffn_conv_proj.weight": proj})
+    if c.selector_top_k:
+        out.update({
+            "selector_predecessor.weight": (c.vocab_size, c.selector_rank),
+            "selector_successor.weight": (c.vocab_size, c.selector_rank),
+            "selector_hidden.weight": (c.selector_rank, h),
+        })
     return out
 
 
@@ -258,8 +318,8 @@ def gguf_name(name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise ConvertError(
-        f"unexpected tensor '{name}': not part of a plain DFlash drafter (DFlash2, DSpark and other variants are "
-        f"not supported)"
+        f"unexpected tensor '{name}': not part of a DFlash or DFlash2 drafter (DSpark and other variants are not "
+        f"supported)"
     )
 
 
@@ -277,6 +337,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if name is None:
             continue
         shape = tuple(t.shape)
+        if _is_dflash2_name(name) and not c.selector_top_k:
+            raise ConvertError(
+                f"unexpected tensor '{hf_name}': a DFlash2 tensor, but config.json says {c.variant} "
+                f"(architectures: DFlash2DraftModel, with its conv and selector settings)"
+            )
         if name in expected and shape != expected[name]:
             raise ConvertError(
                 f"{t.path.name}: tensor {hf_name} has shape {list(shape)}, config.json implies {list(expected[name])}"
@@ -292,6 +357,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _check_draft_vocab(c, planned, path)
     order = list(expected) + [n for n in ("token_embd.weight", "output.weight", "d2t") if n in planned]
     return Checkpoint(path, c, [planned[n] for n in order])
+
+
+def _is_dflash2_name(name: str) -> bool:
+    return name.startswith("selector_") or "_conv_" in name
 
 
 def _check_draft_vocab(c: DrafterConfig, planned: dict[str, PlannedTensor], path: Path) -> None:

@@ -376,6 +376,9 @@ class Engine:
         if rejection and not isinstance(drafter, NativeDrafter):
             raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
                              "spec sampling (match) with this drafter")
+        if rejection and self.draft_info is not None and self.draft_info.get("selector_top_k"):
+            raise ValueError("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
+                             "selector lattice; use the default spec sampling (match)")
         if rejection and params.grammar:
             raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
                              "(match)")

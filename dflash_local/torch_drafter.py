@@ -5,6 +5,14 @@ go through fc and hidden_norm; every layer caches their K/V (no input norm, RoPE
 [last token, mask x n] at the next positions is embedded with the target's embeddings; each layer attends from the
 block to [cached context ; block] without a causal mask; the final norm and the target's LM head give the drafts.
 
+DFlash2 (z-lab's DFlash2DraftModel) adds two things. Each layer wraps its attention and its MLP in a grouped dynamic
+causal convolution over the block's positions: from the layer's normed input, a projection gives per-position kernel
+corrections for both sides (one coefficient per group of channels and tap), which add to learned base kernels; the
+input of the attention (MLP) is convolved with side 0, its output with side 1. And a candidate selector reads the
+drafts: at each draft position the top_k tokens of the logits (after the logit scale and soft-capping) are scored
+after each candidate of the previous position (the anchor token for the first), score = logit + the pairwise term
+<predecessor codebook row * projected hidden, successor codebook row>; the draft is the greedy path through them.
+
 Weights are named the GGUF way (fc.weight, enc.output_norm.weight, blk.N.attn_q.weight, ...), so one loader serves
 a z-lab checkpoint (renamed by the converter's reader) and a (dequantized) DFlash GGUF. Runs on cuda, mps or cpu.
 """
@@ -43,6 +51,12 @@ class DraftShape:
     mask_token: int
     embedding_scale: float = 1.0
     causal: bool = False
+    sliding_window: int | None = None  # keys at least this far before a query are not seen...
+    swa_layers: list[bool] | None = None  # ...in these layers (None: all)
+    logit_scale: float = 1.0  # DFlash2 applies these to the logits its selector reads
+    logit_softcap: float = 0.0
+    conv_group_size: int = 0  # DFlash2; 0 for DFlash
+    selector_top_k: int = 0
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,6 +71,17 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
+    """DFlash2's convolution over a block's positions. x [n, H]; dynamic [n, K, H / group], the output position's
+    corrections per tap and channel group; base [K, H]. out[t] = sum over taps o <= t of (base[o] + dynamic[t, o])
+    * x[t - o]: positions before the block's first read as zeros."""
+    w = base[None] + dynamic.repeat_interleave(group, dim=-1)  # [n, K, H]
+    out = torch.zeros_like(x)
+    for o in range(min(base.shape[0], x.shape[0])):
+        out[o:] += w[o:, o] * x[: x.shape[0] - o]
+    return out
 
 
 class DFlashDrafter(nn.Module):
@@ -80,12 +105,21 @@ class DFlashDrafter(nn.Module):
         self.lm_head = p("output.weight") if "output.weight" in weights else None
         d2t = torch.tensor(np.asarray(weights["d2t"], dtype=np.int64)) if "d2t" in weights else None
         self.register_buffer("d2t", d2t)
+        self.selector = None
+        if "selector_hidden.weight" in weights:  # DFlash2
+            for i, layer in enumerate(self.layers):
+                layer.update({n: p(f"blk.{i}.{n}") for n in ("attn_conv_base", "ffn_conv_base")})
+                layer.update({n: p(f"blk.{i}.{n}.weight") for n in ("attn_conv_proj", "ffn_conv_proj")})
+            self.selector = nn.ParameterDict({n: p(f"selector_{n}.weight")
+                                              for n in ("predecessor", "successor", "hidden")})
 
     def gguf_tensors(self) -> dict[str, np.ndarray]:
         """The weights under their GGUF names (the inverse of the constructor), as float32 numpy (d2t as ids)."""
         out = {"fc.weight": self.fc, "enc.output_norm.weight": self.hidden_norm, "output_norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
-            out.update({f"blk.{i}.{n}.weight": w for n, w in layer.items()})
+            out.update({f"blk.{i}.{n}" + ("" if n.endswith("_base") else ".weight"): w for n, w in layer.items()})
+        if self.selector is not None:
+            out.update({f"selector_{n}.weight": w for n, w in self.selector.items()})
         if self.lm_head is not None:
             out["output.weight"] = self.lm_head
         out = {n: w.detach().float().cpu().numpy() for n, w in out.items()}
@@ -104,15 +138,33 @@ class DFlashDrafter(nn.Module):
             out.append((rope(k, pos, s.rope_theta), v))
         return out
 
+    def conv(self, L, side: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash2: convolve a sublayer's normed input (kernel side 0); return it and the output side's kernels."""
+        if self.selector is None:
+            return h, None
+        k, g = L[f"{side}_conv_base"].shape[1], self.shape.conv_group_size
+        dynamic = (h @ L[f"{side}_conv_proj"].T).view(h.shape[0], 2, k, -1)
+        return grouped_causal_conv(h, dynamic[:, 0], L[f"{side}_conv_base"][0], g), dynamic[:, 1]
+
+    def conv_out(self, L, side: str, y: torch.Tensor, dynamic: torch.Tensor | None) -> torch.Tensor:
+        if dynamic is None:
+            return y
+        return grouped_causal_conv(y, dynamic, L[f"{side}_conv_base"][1], self.shape.conv_group_size)
+
     def forward(self, noise: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_mask: torch.Tensor | None = None):
         """Hidden states of the noise block. noise: [n, hidden] embeddings; ctx: per-layer cached (K, V).
-        attn_mask [n, len(ctx) + n] (True = attend) lets training run many blocks at once; None = all of ctx."""
+        attn_mask [n, len(ctx) + n] (True = attend) lets training run many blocks at once; None = all of ctx.
+        A DFlash2 drafter's convolutions take the whole input as one block."""
         s = self.shape
         x = noise
         n = x.shape[0]
-        for L, (ck, cv) in zip(self.layers, ctx):
-            h = rms_norm(x, L["attn_norm"], s.rms_eps)
+        window = None
+        if s.sliding_window and attn_mask is None:  # drafting: the context holds positions 0 .. m - 1
+            key_pos = torch.cat([torch.arange(ctx[0][0].shape[0], device=x.device), pos])
+            window = (pos[:, None] - key_pos[None, :]) < s.sliding_window
+        for i, (L, (ck, cv)) in enumerate(zip(self.layers, ctx)):
+            h, attn_dyn = self.conv(L, "attn", rms_norm(x, L["attn_norm"], s.rms_eps))
             q = rope(rms_norm((h @ L["attn_q"].T).view(n, s.n_head, s.head_dim), L["attn_q_norm"], s.rms_eps),
                      pos, s.rope_theta)
             k = rope(rms_norm((h @ L["attn_k"].T).view(n, s.n_head_kv, s.head_dim), L["attn_k_norm"], s.rms_eps),
@@ -122,16 +174,41 @@ class DFlashDrafter(nn.Module):
             rep = s.n_head // s.n_head_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             mask = attn_mask
+            if window is not None and (s.swa_layers is None or s.swa_layers[i]):
+                mask = window
             if s.causal:  # a causal drafter still sees the whole context
                 m = k.shape[0] - n
                 causal = torch.ones(n, m + n, dtype=torch.bool, device=x.device).tril(m)
                 mask = causal if mask is None else mask & causal
             a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                attn_mask=mask, scale=1.0 / math.sqrt(s.head_dim))
-            x = x + a.transpose(0, 1).reshape(n, -1) @ L["attn_output"].T
-            h = rms_norm(x, L["ffn_norm"], s.rms_eps)
-            x = x + (F.silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
+            x = x + self.conv_out(L, "attn", a.transpose(0, 1).reshape(n, -1) @ L["attn_output"].T, attn_dyn)
+            h, ffn_dyn = self.conv(L, "ffn", rms_norm(x, L["ffn_norm"], s.rms_eps))
+            x = x + self.conv_out(L, "ffn", (F.silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T,
+                                  ffn_dyn)
         return rms_norm(x, self.norm, s.rms_eps)
+
+    def selector_lattice(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, top_k: int):
+        """DFlash2's lattice for draft positions 1..n. hidden [n, H] (final-normed), logits [n, V] (scaled and
+        capped). Returns the candidates [n, k] and the scores [n, k, k]: scores[i, p, j] that of candidate j at
+        position i after candidate p of position i - 1 (after the anchor at i = 0, the same for every p)."""
+        unary, cand = torch.topk(logits, top_k, dim=-1)
+        gate = hidden @ self.selector["hidden"].T  # [n, R]
+        prev = torch.cat([torch.full((1, top_k), anchor, device=cand.device), cand[:-1]])  # [n, k]
+        pred = self.selector["predecessor"][prev] * gate[:, None, :]  # [n, k, R]
+        pair = torch.einsum("npr,njr->npj", pred, self.selector["successor"][cand])
+        return cand, unary[:, None, :] + pair
+
+    @staticmethod
+    def walk(cand: torch.Tensor, scores: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The greedy path through a lattice: the draft tokens and the selector's probability of each."""
+        tokens, probs, prev = [], [], 0
+        for i in range(cand.shape[0]):
+            row = scores[i, prev]
+            prev = int(row.argmax())
+            tokens.append(int(cand[i, prev]))
+            probs.append(float(torch.softmax(row.double(), -1)[prev]))
+        return tokens, probs
 
 
 def _dequantized(info, name: str) -> np.ndarray:
@@ -167,13 +244,19 @@ def shape_from_gguf(info) -> DraftShape:
         mask_token=int(info.kv["tokenizer.ggml.mask_token_id"]),
         embedding_scale=info.get("embedding_scale") or 1.0,
         causal=bool(info.get("attention.causal", False)),
+        sliding_window=info.get("attention.sliding_window") or None,
+        swa_layers=swa.values if (swa := info.get("attention.sliding_window_pattern")) is not None else None,
+        logit_scale=info.get("logit_scale") or 1.0,
+        logit_softcap=info.get("final_logit_softcapping") or 0.0,
+        conv_group_size=info.get("conv_group_size") or 0,
+        selector_top_k=info.get("selector_top_k") or 0,
     )
 
 
 def load_gguf_drafter(path) -> DFlashDrafter:
     info = read_gguf(path)
     shape = shape_from_gguf(info)
-    names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output", "blk.")) or n == "d2t"]
+    names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output", "blk.", "selector_")) or n == "d2t"]
     return DFlashDrafter(shape, {n: _dequantized(info, n) for n in names})
 
 
@@ -202,6 +285,12 @@ def load_zlab_drafter(path, target_info) -> DFlashDrafter:
         mask_token=int(mask),
         embedding_scale=noise_embedding_scale(target_info.arch, c.hidden, c.embedding_scale) or 1.0,
         causal=c.causal,
+        sliding_window=c.sliding_window,
+        swa_layers=c.swa_layers,
+        logit_scale=c.logit_scale if c.logit_scale is not None else 1.0,
+        logit_softcap=c.logit_softcap or 0.0,
+        conv_group_size=c.conv_group_size or 0,
+        selector_top_k=c.selector_top_k or 0,
     )
     weights = {t.name: read_tensor(t.src) for t in ck.tensors if t.src is not None}
     if "d2t" in weights:  # stored as offsets: target id = d2t[i] + i
@@ -255,20 +344,37 @@ class TorchDraftBackend(Drafter):
         self.n += f.shape[0]
 
     @torch.inference_mode()
-    def logits(self, last: int, n: int) -> torch.Tensor:
-        """Draft logits [n, vocab] for the n positions after `last` (which sits at the next context position)."""
+    def hidden_and_logits(self, last: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [n, H] and draft logits [n, vocab] for the n positions after `last` (which sits at
+        the next context position); DFlash2's logits after its logit scale and soft-capping."""
         s = self.model.shape
         tokens = torch.tensor([last] + [s.mask_token] * n, device=self.device)
         pos = torch.arange(self.n, self.n + n + 1, device=self.device)
         noise = self.embed[tokens] * s.embedding_scale
         h = self.model(noise, pos, self.ctx)[1:]
         if self.model.lm_head is None:
-            return h @ self.head.T
-        full = torch.full((n, self.head.shape[0]), -torch.inf, dtype=h.dtype, device=h.device)
-        full[:, self.model.d2t] = h @ self.model.lm_head.T
-        return full
+            out = h @ self.head.T
+        else:
+            out = torch.full((n, self.head.shape[0]), -torch.inf, dtype=h.dtype, device=h.device)
+            out[:, self.model.d2t] = h @ self.model.lm_head.T
+        if self.model.selector is not None:
+            out = out * s.logit_scale
+            if s.logit_softcap > 0:
+                out = torch.tanh(out / s.logit_softcap) * s.logit_softcap
+        return h, out
+
+    def logits(self, last: int, n: int) -> torch.Tensor:
+        return self.hidden_and_logits(last, n)[1]
+
+    @torch.inference_mode()
+    def lattice(self, last: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash2: the selector lattice of the n positions after `last` (DFlashDrafter.selector_lattice)."""
+        h, logits = self.hidden_and_logits(last, n)
+        return self.model.selector_lattice(h, logits, last, self.model.shape.selector_top_k)
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
+        if self.model.selector is not None:
+            return self.model.walk(*self.lattice(tokens[-1], k))[0]
         return self.logits(tokens[-1], k).argmax(-1).tolist()
 
 

@@ -85,7 +85,23 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> DraftSpec:
     block_size = int(draft.get("block_size", 16))
     if not 2 <= block_size <= 64:
         raise PairError(f"{name}: block size {block_size} outside 2..64")
+    if "selector_hidden.weight" in draft.tensors:
+        _check_dflash2(draft, target.n_vocab)
     return DraftSpec(layers, block_size, int(mask))
+
+
+def _check_dflash2(draft: GGUFInfo, n_vocab: int) -> None:
+    """DFlash2's selector picks its top_k candidates from the vocabulary (more than it has aborts in ggml) and packs
+    top_k * (top_k + 1) values into a row of the drafter's width."""
+    name = draft.path.name
+    keys = ("selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size")
+    values = {k: draft.get(k) for k in keys}
+    missing = [k for k, v in values.items() if not v]
+    if missing:
+        raise PairError(f"{name}: a DFlash2 drafter without {', '.join(f'dflash.{k}' for k in missing)}")
+    k, width = values["selector_top_k"], _need(draft, "embedding_length")
+    if k > n_vocab or k * (k + 1) > width:
+        raise PairError(f"{name}: selector_top_k {k} does not fit (vocabulary {n_vocab}, a lattice row of {width})")
 
 
 def load_infos(model_path, draft_path=None) -> tuple[GGUFInfo, GGUFInfo | None]:

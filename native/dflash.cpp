@@ -40,6 +40,10 @@ struct llama_memory_breakdown_data {
 };
 LLAMA_API std::map<ggml_backend_buffer_type_t, llama_memory_breakdown_data> llama_get_memory_breakdown(
     const llama_context * ctx);
+// DFlash2: the drafter's selector lattice comes back in the "nextn" embeddings
+LLAMA_API void    llama_set_embeddings_nextn(llama_context * ctx, bool value, bool masked);
+LLAMA_API float * llama_get_embeddings_nextn(llama_context * ctx);
+LLAMA_API int32_t llama_model_dflash_selector_top_k(const llama_model * model);
 
 namespace py = pybind11;
 
@@ -1325,6 +1329,10 @@ public:
         if (sampler && sampler->sampling().temperature <= 0.0f) {
             throw std::invalid_argument("sampled drafts need a temperature > 0");
         }
+        if (sampler && top_k > 0) {
+            throw std::invalid_argument("rejection sampling needs the drafter's distributions: a DFlash2 drafter "
+                                        "drafts from its selector lattice");
+        }
         check_tokens({last});
         return transaction([&] {
             Draft d;
@@ -1378,12 +1386,22 @@ public:
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
     void keep_draft_logits(bool on) { keep_draft = on; }
 
-    // Logits of the drafter's last noise block at its draft positions: [n, n_vocab].
+    // Logits of the drafter's last noise block at its draft positions: [n, n_vocab] (DFlash2: after its logit
+    // scale and soft-capping, which the selector reads).
     py::array_t<float> draft_logits() const {
         const size_t n_vocab = tgt.n_vocab();
         const size_t n = draft_rows.size() / n_vocab;
         py::array_t<float> out({n, n_vocab});
         std::memcpy(out.mutable_data(), draft_rows.data(), draft_rows.size() * sizeof(float));
+        return out;
+    }
+
+    // DFlash2: the selector lattice of the drafter's last noise block at its draft positions (kept with the logits):
+    // [n, top_k * (top_k + 1)], each row the top_k candidate ids then the top_k x top_k scores (see walk_lattice).
+    py::array_t<float> draft_lattice() const {
+        const size_t w = (size_t) top_k * (top_k + 1);
+        py::array_t<float> out({w ? lattice_rows.size() / w : 0, w});
+        std::memcpy(out.mutable_data(), lattice_rows.data(), lattice_rows.size() * sizeof(float));
         return out;
     }
 
@@ -1412,10 +1430,12 @@ private:
     llama_batch_ext * batch_dft = nullptr;
     llama_token mask_token = -1;
     int block_size = 16;
+    int top_k = 0;  // DFlash2: candidates per position in the selector lattice; 0 for a plain DFlash drafter
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
     std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
     std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
+    std::vector<float> lattice_rows;  // DFlash2: [n_draft, top_k * (top_k + 1)] of the last noise block, when kept
     int n_ctx = 0;
     int n_batch = 0;  // the most tokens one target decode takes
     int n_embd = 0;
@@ -1503,6 +1523,7 @@ private:
             throw std::invalid_argument("the drafter's block size '" + bs + "' is outside 2.." +
                                         std::to_string(max_block));
         }
+        top_k = std::max(0, llama_model_dflash_selector_top_k(dft->model));
     }
 
     void create_contexts(const ContextOptions & o, int n_rs_seq) {
@@ -1552,6 +1573,10 @@ private:
         }
         batch_dft = new_batch(ctx_dft);
         llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
+        if (top_k > 0) {
+            // one lattice row per block token, whether or not the token is a logits output (unmasked)
+            llama_set_embeddings_nextn(ctx_dft, true, false);
+        }
     }
 
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch) {
@@ -1594,6 +1619,7 @@ private:
             collecting = false;
             draft_rows.clear();
             q_tokens.clear();
+            lattice_rows.clear();
             keep(recurrent ? 0 : p0);
             throw;
         }
@@ -1844,24 +1870,33 @@ private:
         process(ctx_dft, batch_dft, "drafter feature injection");
     }
 
-    // Decode [last, mask x n_draft] at the next positions; the argmax at each mask is the draft.
+    // Decode [last, mask x n_draft] at the next positions and read the draft from it: DFlash takes the argmax at
+    // each mask (or, with a sampler, a draw from its distribution), DFlash2 walks its selector lattice.
     void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
                      Draft & d) {
         drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
-        // every row is marked as an output, the anchor too: the dflash graph computes logits for all rows and
-        // llama.cpp keeps the first n_outputs of them, so marking fewer would shift the rows
+        // DFlash reads logits: every row is marked as an output, the anchor too, since the dflash graph computes
+        // logits for all rows and llama.cpp keeps the first n_outputs of them (marking fewer would shift the rows).
+        // DFlash2 reads the lattice, which has every row anyway: logits only when they are kept for inspection.
+        const bool logits = top_k == 0 || keep_draft;
         for (int i = 0; i <= n_draft; ++i) {
-            add_token(batch_dft, i == 0 ? last : mask_token, past + i, true);
+            add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits);
         }
         process(ctx_dft, batch_dft, "drafter decode");
         const int n_vocab = tgt.n_vocab();
         draft_rows.clear();
+        lattice_rows.clear();
+        for (int i = 0; i < n_draft && keep_draft; ++i) {
+            const float * row = logits_row(ctx_dft, i + 1, "drafter");
+            draft_rows.insert(draft_rows.end(), row, row + n_vocab);
+        }
+        if (top_k > 0) {
+            walk_lattice(n_draft, with_probs, d);
+            return;
+        }
         for (int i = 0; i < n_draft; ++i) {
             const float * row = logits_row(ctx_dft, i + 1, "drafter");
-            if (keep_draft) {
-                draft_rows.insert(draft_rows.end(), row, row + n_vocab);
-            }
             if (sampler) {
                 const Sampling & sp = sampler->sampling();
                 q_rows.resize((size_t) (i + 1) * n_vocab);
@@ -1878,13 +1913,49 @@ private:
             const llama_token t = argmax(row, n_vocab);
             d.tokens.push_back(t);
             if (with_probs) {
-                const float lmax = row[t];
-                double z = 0.0;
-                for (int j = 0; j < n_vocab; ++j) {
-                    z += std::exp(row[j] - lmax);
-                }
-                d.probs.push_back((float) (1.0 / z));
+                d.probs.push_back(top_prob(row, n_vocab, t));
             }
+        }
+    }
+
+    // softmax(scores)[best]
+    static float top_prob(const float * scores, int n, int best) {
+        double z = 0.0;
+        for (int j = 0; j < n; ++j) {
+            z += std::exp(scores[j] - scores[best]);
+        }
+        return (float) (1.0 / z);
+    }
+
+    // DFlash2's selector lattice, one row of the drafter's width per block token: at draft position i >= 1, the
+    // top_k candidate ids (as floats), then top_k x top_k scores, scores[p * top_k + j] that of candidate j after
+    // candidate p of position i - 1 (at position 1 every p reads the anchor). The draft is the greedy path: each
+    // position takes its best candidate after the one the previous position took. Its probability is the
+    // softmax of that score row at the choice.
+    void walk_lattice(int n_draft, bool with_probs, Draft & d) {
+        const float * lattice = llama_get_embeddings_nextn(ctx_dft);
+        if (!lattice) {
+            fail("the DFlash2 drafter returned no selector lattice");
+        }
+        const size_t width = (size_t) llama_model_n_embd(dft->model);
+        const int n_vocab = tgt.n_vocab();
+        int prev = 0;
+        for (int i = 1; i <= n_draft; ++i) {
+            const float * row = lattice + (size_t) i * width;
+            if (keep_draft) {
+                lattice_rows.insert(lattice_rows.end(), row, row + top_k * (top_k + 1));
+            }
+            const float * scores = row + top_k + (size_t) prev * top_k;
+            const int best = (int) (std::max_element(scores, scores + top_k) - scores);
+            const float id = row[best];
+            if (!(id >= 0.0f && id < (float) n_vocab)) {
+                fail("the DFlash2 selector lattice names token " + std::to_string(id) + ", outside the vocabulary");
+            }
+            d.tokens.push_back((llama_token) id);
+            if (with_probs) {
+                d.probs.push_back(top_prob(scores, top_k, best));
+            }
+            prev = best;
         }
     }
 };
@@ -2108,5 +2179,6 @@ PYBIND11_MODULE(_native, m) {
         .def("features", &Session::features)
         .def("logits", &Session::logits)
         .def("keep_draft_logits", &Session::keep_draft_logits)
-        .def("draft_logits", &Session::draft_logits);
+        .def("draft_logits", &Session::draft_logits)
+        .def("draft_lattice", &Session::draft_lattice);
 }

@@ -448,7 +448,7 @@ def _set(key, value):
 
 ERROR_CASES = [
     ("arch", _set("architectures", ["Qwen3ForCausalLM"]), None, "unknown architecture"),
-    ("dflash2", _set("architectures", ["DFlash2DraftModel"]), None, "unknown architecture"),
+    ("dflash2", _set("architectures", ["DFlash2DraftModel"]), None, "needs dflash_config.conv_kernel_size"),
     ("no-dflash-config", _set("dflash_config", None), None, "missing 'dflash_config'"),
     ("hidden", _set("hidden_size", 128), None, "shape"),  # the weights disagree with the config first
     ("deep", lambda c: c["dflash_config"].update(target_layer_ids=[1, 9, 17]), None,

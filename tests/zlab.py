@@ -1,7 +1,8 @@
 """z-lab DFlash drafter checkpoints for tests, a NumPy reference forward, and a llama.cpp probe of the ggml drafter.
 
 - write_checkpoint: random weights in z-lab's exact layout (config.json with DFlashDraftModel and dflash_config,
-  BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory.
+  BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory;
+  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them).
 - Reference: the DFlash forward in float64 NumPy, written from the model's definition, not from the converter:
   ctx = hidden_norm(fc(features)); per layer, queries from the noise block only, keys/values from [ctx; noise]
   (ctx K/V from the ctx hidden itself, no input_layernorm, as llama.cpp's dflash graph does), per-head q/k RMS norm,
@@ -121,6 +122,45 @@ def zlab_config(*, hidden, n_layer, n_head, n_kv, head_dim, n_ff, target_layer_i
     }
 
 
+def zlab2_config(*, conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=4,
+                 output_multiplier=None, final_logit_softcapping=None, sliding_window=None, **kw) -> dict:
+    """config.json of a DFlash2 drafter, laid out as z-lab's published one (tests/fixtures/dflash2-config.json in
+    z-lab/dflash): DFlash2DraftModel, is_causal false, block size and the conv/selector settings in dflash_config,
+    rope in rope_parameters, optional sliding window on every layer."""
+    cfg = zlab_config(**kw)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["is_causal"] = False
+    del cfg["auto_map"], cfg["block_size"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default"}
+    dc = cfg["dflash_config"]
+    dc.update(block_size=kw.get("block_size", 16), conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+              selector_rank=selector_rank, selector_top_k=selector_top_k)
+    if output_multiplier is not None:
+        dc["output_multiplier"] = output_multiplier
+    if final_logit_softcapping is not None:
+        dc["final_logit_softcapping"] = final_logit_softcapping
+    if sliding_window:
+        cfg.update(use_sliding_window=True, sliding_window=sliding_window,
+                   layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    cfg["tie_word_embeddings"] = False
+    cfg["transformers_version"] = "5.15.0"
+    return cfg
+
+
+def _dflash2_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    dc, h = cfg["dflash_config"], cfg["hidden_size"]
+    k, r = dc["conv_kernel_size"], dc["selector_rank"]
+    proj = (2 * k * (h // dc["conv_group_size"]), h)
+    out = [("candidate_selector.predecessor_codebook", (cfg["vocab_size"], r)),
+           ("candidate_selector.successor_codebook", (cfg["vocab_size"], r)),
+           ("candidate_selector.hidden_projection.weight", (r, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            out += [(f"layers.{i}.{conv}.base_kernel", (2, k, h)),
+                    (f"layers.{i}.{conv}.kernel_projection.weight", proj)]
+    return out
+
+
 def _shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, ff, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -141,6 +181,8 @@ def _shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.up_proj.weight", (ff, h)),
             (p + "mlp.down_proj.weight", (h, ff)),
         ]
+    if cfg["architectures"] == ["DFlash2DraftModel"]:
+        out += _dflash2_shapes(cfg)
     return sorted(out)  # safetensors files list tensors by name
 
 
@@ -163,6 +205,14 @@ def write_checkpoint(path, cfg: dict, *, n_shards: int = 2, dtype: str = "BF16",
             rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
             if len(shape) == 1:
                 return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            if name.endswith("base_kernel"):  # DFlash2 conv: near the identity (tap 0 about 1, older taps small)
+                w = 0.2 * rng.standard_normal(shape)
+                w[:, 0] += 1.0
+                return w.astype(np.float32)
+            if name.endswith("kernel_projection.weight"):  # small input-dependent corrections to the kernel
+                return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.3 / np.sqrt(shape[1]))
+            if "codebook" in name:  # pairwise selector scores of about unit size
+                return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.25)
             gain = residual_gain if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain / np.sqrt(shape[1]))
         return make
