@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "on CPUs it rounds verify batches differently, so greedy output may differ from plain decoding)")
     p.add_argument("--repack", action="store_true", help="repacked CPU weights for the target (same caveat)")
     p.add_argument("--capture", choices=["auto", "layer_api", "callback"], default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--rpc", metavar="SERVERS", help="comma-separated rpc-servers (HOST:PORT) whose devices take the "
+                   "offloaded layers (-ngl), see `dflash-local rpc-server`")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
@@ -72,6 +74,10 @@ def _pair(args):
 def _load_engine(args):
     from .engine import Engine
 
+    if args.rpc:
+        from .rpc import add_servers
+
+        add_servers(args.rpc)
     model, draft = _pair(args)
     print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
           file=sys.stderr)
@@ -243,6 +249,17 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outtype", default="q8_0", help="type of the exported GGUF (default q8_0)")
 
 
+def cmd_rpc_server(args) -> int:
+    from .rpc import serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print("dflash-local: warning: the RPC server has no authentication; listen on a trusted network only",
+              file=sys.stderr)
+    print(f"dflash-local: rpc-server listening on {args.host}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
+    serve(args.host, args.port, args.threads or os.cpu_count() or 1, args.cache)
+    return 1
+
+
 def cmd_train(args) -> int:
     from .train import run_train
 
@@ -291,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("rpc-server", help="offer this machine's CPU or GPUs to another machine's --rpc (llama.cpp's "
+                       "rpc-server)")
+    r.add_argument("-H", "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    r.add_argument("-p", "--port", type=int, default=50052)
+    r.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    r.add_argument("-c", "--cache", metavar="DIR", help="keep received tensors in DIR, for faster reloads")
+    r.set_defaults(func=cmd_rpc_server)
 
     # convert, inspect and pull keep their options beside their code; those modules need only the core dependencies
     from dflash_local.convert.hf_to_gguf import add_convert_args, run_convert
