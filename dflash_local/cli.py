@@ -33,6 +33,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "the same seed) or rejection (speculative sampling with the drafter's distribution: the target's "
                    "distribution, more drafts accepted at temperatures > 0; llama.cpp drafter only)")
     p.add_argument("--capture", choices=["auto", "layer_api", "callback"], default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--rpc", metavar="SERVERS", help="comma-separated rpc-servers (HOST:PORT) whose devices take the "
+                   "offloaded layers (-ngl), see `dflash-local rpc-server`")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     add_placement_args(p)
 
@@ -162,6 +164,10 @@ def _pair(args):
 def _load_engine(args):
     from .engine import Engine
 
+    if args.rpc:
+        from .rpc import add_servers
+
+        add_servers(args.rpc)
     model, draft = _pair(args)
     print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
           file=sys.stderr)
@@ -331,6 +337,17 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     add_placement_args(p)  # for data generation and validation
 
 
+def cmd_rpc_server(args) -> int:
+    from .rpc import serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print("dflash-local: warning: the RPC server has no authentication; listen on a trusted network only",
+              file=sys.stderr)
+    print(f"dflash-local: rpc-server listening on {args.host}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
+    serve(args.host, args.port, args.threads or os.cpu_count() or 1, args.cache)
+    return 1
+
+
 def cmd_train(args) -> int:
     from .train import run_train
 
@@ -386,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
     _reasoning_args(b, server=False)
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("rpc-server", help="offer this machine's CPU or GPUs to another machine's --rpc (llama.cpp's "
+                       "rpc-server)")
+    r.add_argument("-H", "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    r.add_argument("-p", "--port", type=int, default=50052)
+    r.add_argument("-t", "--threads", type=int, help="CPU threads (default: all cores)")
+    r.add_argument("-c", "--cache", metavar="DIR", help="keep received tensors in DIR, for faster reloads")
+    r.set_defaults(func=cmd_rpc_server)
 
     # convert, inspect and pull keep their options beside their code; those modules need only the core dependencies
     from dflash_local.convert.hf_to_gguf import add_convert_args, run_convert

@@ -13,11 +13,13 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "scikit-build-core>=1.0" "pybind11>=2.12"
 
 # llama.cpp is built without llamafile's sgemm: it rounds a verify batch differently from a single-token decode,
-# which would break bit-exact greedy verification on CPUs (README, "Lossless"). The wheel is kept in .wheels/.
-LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF ${CMAKE_ARGS:-}"
+# which would break bit-exact greedy verification on CPUs (README, "Lossless"); and with the RPC backend, for
+# targets spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
+LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
 if ! python - <<'PY' 2>/dev/null
 import sys, llama_cpp
-ok = llama_cpp.__version__ == "0.3.36" and b"LLAMAFILE = 1" not in llama_cpp.llama_print_system_info()
+ok = (llama_cpp.__version__ == "0.3.36" and b"LLAMAFILE = 1" not in llama_cpp.llama_print_system_info()
+      and llama_cpp.llama_supports_rpc())
 sys.exit(0 if ok else 1)
 PY
 then
