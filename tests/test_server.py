@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serve_command(*args):
+    """`dflash-local serve ARGS` on a free port, started as a user starts it; yields its URL once /health is 200."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", *map(str, args), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 class ServerThread:
@@ -367,24 +390,10 @@ def test_template_errors_are_400_with_the_templates_message(qwen3_server, server
 
 
 def test_serve_takes_chat_template_options(tiny_target, tmp_path):
-    port = free_port()
     template = tmp_path / "t.jinja"
     template.write_text("{{ greeting }}, {{ messages[-1].content }} ->")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "--port", str(port),
-         "--chat-template-file", str(template), "--chat-template-kwargs", '{"greeting": "Hello"}', "-n", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.time() + 120
-        while time.time() < end:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.2)
+    with serve_command("-m", tiny_target, "--chat-template-file", template,
+                       "--chat-template-kwargs", '{"greeting": "Hello"}', "-n", "3") as url:
         body = {"messages": [{"role": "user", "content": "world"}], "max_tokens": 2}
         engine = Engine(tiny_target, n_ctx=256)
         for kwargs, text in [({}, "Hello, world ->"), ({"greeting": "Bye"}, "Bye, world ->")]:
@@ -400,9 +409,6 @@ def test_serve_takes_chat_template_options(tiny_target, tmp_path):
         assert len(want.token_ids) == 3
         assert r.json()["choices"][0]["message"]["content"] == want.text
         assert httpx.get(url + "/props").json()["default_generation_settings"]["params"]["n_predict"] == 3
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_prompt_beyond_the_context(server, client):
@@ -585,22 +591,7 @@ def test_schemathesis_finds_no_server_errors(tiny_target, tiny_drafter):
 
 
 def test_serve_command_on_gemma(gemma_target, gemma_drafter):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_local", "serve", "-m", str(gemma_target), "-d", str(gemma_drafter),
-         "--port", str(port), "--alias", "gemma"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.time() + 120
-        while time.time() < end:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.2)
+    with serve_command("-m", gemma_target, "-d", gemma_drafter, "--alias", "gemma") as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         r = c.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Say hello."}],
                                       max_tokens=12, temperature=0)
@@ -614,9 +605,6 @@ def test_serve_command_on_gemma(gemma_target, gemma_drafter):
             r = httpx.post(url + "/tokenize", json={"content": "Say hello.", "add_special": add})
             assert r.json()["tokens"] == vocab.tokenize(b"Say hello.", add_bos=add, special=True)
         assert r.json()["tokens"][0] == vocab.token_bos()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_serve_exits_with_an_error_for_a_bad_model(tmp_path):

@@ -6,14 +6,13 @@ The tiny models never write a tool call, so most of these plant the generated te
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from planted import PlantedEngine, cut
-from test_server import ServerThread, free_port
+from test_server import ServerThread, serve_command
 
 from dflash_local import Engine
 from dflash_local.chat import read_template, render
@@ -202,22 +201,8 @@ def test_preserved_control_tokens_show_as_text(gemma_engine):
 def test_done_when_serve_a_qwen35_like_template_on_gemma(gemma_target, gemma_drafter, gemma_engine):
     """`serve --chat-template-file qwen35-like.jinja` on gemma: tools are rendered, enable_thinking=false changes the
     prompt, and the streamed thinking (the template opens <think>) arrives in reasoning_content."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_local", "serve", "-m", str(gemma_target), "-d", str(gemma_drafter),
-         "--port", str(port), "--alias", "gemma", "--chat-template-file", str(TEMPLATES / "qwen35-like.jinja")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.time() + 120
-        while time.time() < end:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.2)
+    with serve_command("-m", gemma_target, "-d", gemma_drafter, "--alias", "gemma",
+                       "--chat-template-file", TEMPLATES / "qwen35-like.jinja") as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
         def n_prompt(variables):
@@ -243,9 +228,6 @@ def test_done_when_serve_a_qwen35_like_template_on_gemma(gemma_target, gemma_dra
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == ""
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_serve_refuses_a_reasoning_budget_it_cannot_keep(tmp_path):
