@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
