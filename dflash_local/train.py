@@ -40,7 +40,7 @@ from .atomic import atomic_output
 from .gguf_file import read_gguf
 from .placement import Placement, from_args
 from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
-from .traindata import Sample, load_sample, make_data
+from .traindata import Sample, from_bf16, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
@@ -105,7 +105,7 @@ def label_index(model: DFlashDrafter, n_vocab: int) -> torch.Tensor:
 
 def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 50000) -> np.ndarray:
     per = rows // len(samples) + 1
-    f = np.concatenate([s.features[rng.choice(len(s.features), size=min(per, len(s.features)), replace=False)]
+    f = np.concatenate([from_bf16(s.features[rng.choice(len(s.features), size=min(per, len(s.features)), replace=False)])
                         for s in samples if len(s.features)])
     return np.sqrt((f.astype(np.float64) ** 2).mean(0)).astype(np.float32) + 1e-6
 
@@ -122,7 +122,7 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     anchors = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
     nb, T = len(anchors), int(anchors[-1])
     dev = emb.device
-    ctx = model.context_kv(torch.from_numpy(s.features[:T]).to(dev) / scale, torch.arange(T, device=dev))
+    ctx = model.context_kv(torch.from_numpy(s.features_f32(T)).to(dev) / scale, torch.arange(T, device=dev))
 
     a = torch.from_numpy(anchors).to(dev)
     pos = a[:, None] + torch.arange(B, device=dev)  # [nb, B]

@@ -1183,6 +1183,7 @@ struct ContextOptions {
     ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation
     ggml_type type_v_draft = GGML_TYPE_F32;
     int n_rs_seq = -1;  // recurrent-state snapshots for rolling back drafts (-1: the drafter's longest draft)
+    int n_seq = 1;      // independent sequences in the target's cache (training data decodes several side by side)
 };
 
 // KV cache types as llama.cpp's common/arg.cpp offers them, by ggml's names.
@@ -1405,6 +1406,86 @@ public:
         return out;
     }
 
+    // Training data (traindata.py): one target batch of rows from several independent sequences (a token, its
+    // position and its sequence each), logits on every row. Returns each row's top_k tokens by logit, best first, and
+    // their log-probabilities; features() then holds the rows' features. The cache bookkeeping is the caller's:
+    // n_past is left alone (a session is used either this way or for generation, never both).
+    std::pair<py::array_t<int32_t>, py::array_t<float>> decode_rows(const std::vector<llama_token> & tokens,
+                                                                  const std::vector<int> & pos,
+                                                                  const std::vector<int> & seq, int top_k) {
+        const int n = (int) tokens.size();
+        if (n == 0 || n > n_batch || (int) pos.size() != n || (int) seq.size() != n) {
+            throw std::invalid_argument("decode_rows needs 1.." + std::to_string(n_batch) +
+                                        " rows with a position and a sequence each");
+        }
+        const int n_vocab = tgt.n_vocab();
+        if (top_k < 1 || top_k > n_vocab) {
+            throw std::invalid_argument("top_k must be 1.." + std::to_string(n_vocab));
+        }
+        const int n_seq = (int) llama_n_seq_max(ctx_tgt);
+        for (int i = 0; i < n; ++i) {
+            if (seq[i] < 0 || seq[i] >= n_seq || pos[i] < 0 || pos[i] >= n_ctx) {
+                throw std::out_of_range("row " + std::to_string(i) + ": sequence " + std::to_string(seq[i]) +
+                                        " position " + std::to_string(pos[i]) + " outside " +
+                                        std::to_string(n_seq) + " sequences in a context of " + std::to_string(n_ctx));
+            }
+        }
+        check_tokens(tokens);
+        LogScope log(verbose);
+        llama_batch_ext_clear(batch_tgt);
+        for (int i = 0; i < n; ++i) {
+            add_token(batch_tgt, tokens[i], pos[i], true, seq[i]);
+        }
+        run_target(n, n);
+        std::vector<int32_t> ids((size_t) n * top_k);
+        std::vector<float> logprobs((size_t) n * top_k);
+        std::vector<std::pair<float, llama_token>> best;
+        for (int i = 0; i < n; ++i) {
+            const float * row = logits_row(ctx_tgt, i, "target");
+            // the top_k by a running threshold: one pass over the vocabulary, as cheap as an argmax for small k
+            best.clear();
+            float lmax = row[0];
+            for (int t = 0; t < n_vocab; ++t) {
+                lmax = std::max(lmax, row[t]);
+                if ((int) best.size() < top_k || row[t] > best.front().first) {
+                    best.emplace_back(row[t], -t);  // -t: among equal logits the lower id ranks first
+                    std::push_heap(best.begin(), best.end(), std::greater<>());
+                    if ((int) best.size() > top_k) {
+                        std::pop_heap(best.begin(), best.end(), std::greater<>());
+                        best.pop_back();
+                    }
+                }
+            }
+            float z = 0.0f;
+            for (int t = 0; t < n_vocab; ++t) {
+                z += exp_approx(std::max(row[t] - lmax, -87.0f));
+            }
+            const float lse = lmax + std::log(z);
+            std::sort(best.begin(), best.end(), std::greater<>());
+            for (int j = 0; j < top_k; ++j) {
+                ids[(size_t) i * top_k + j] = -best[j].second;
+                logprobs[(size_t) i * top_k + j] = best[j].first - lse;
+            }
+        }
+        py::gil_scoped_acquire gil;  // the call runs without the GIL; numpy arrays need it
+        py::array_t<int32_t> ids_out({n, top_k});
+        py::array_t<float> lp_out({n, top_k});
+        std::memcpy(ids_out.mutable_data(), ids.data(), ids.size() * sizeof(int32_t));
+        std::memcpy(lp_out.mutable_data(), logprobs.data(), logprobs.size() * sizeof(float));
+        return {ids_out, lp_out};
+    }
+
+    // Forget every position of one sequence of decode_rows.
+    void drop_sequence(int seq) {
+        if (seq < 0 || seq >= (int) llama_n_seq_max(ctx_tgt)) {
+            throw std::out_of_range("no sequence " + std::to_string(seq));
+        }
+        LogScope log(verbose);
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_tgt), seq, -1, -1)) {
+            fail("the KV cache could not drop sequence " + std::to_string(seq));
+        }
+    }
+
     // Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
     // Empty after a failed call.
     py::array_t<float> features() const {
@@ -1418,6 +1499,7 @@ private:
     enum Logits { LogitsNone, LogitsLast, LogitsAll };
 
     static constexpr int max_block = 512;
+    static constexpr int max_seq = 256;  // llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h, not in llama.h)
 
     Model & tgt;
     Model * dft;
@@ -1466,6 +1548,10 @@ private:
         }
         if (o.n_ctx != 0 && o.n_ctx < 2) {
             throw std::invalid_argument("n_ctx must be 0 (the model's) or at least 2, got " + std::to_string(o.n_ctx));
+        }
+        if (o.n_seq < 1 || o.n_seq > max_seq || (o.n_seq > 1 && dft)) {
+            throw std::invalid_argument("n_seq must be 1.." + std::to_string(max_seq) +
+                                        ", and 1 with a drafter, got " + std::to_string(o.n_seq));
         }
         if (o.n_threads < 1 || o.n_threads_batch < 1) {
             throw std::invalid_argument("thread counts must be at least 1");
@@ -1532,6 +1618,10 @@ private:
         cp.type_v = o.type_v;
         // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
         cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
+        // Sequences share one unified cache: with a stream per sequence llama.cpp regroups a batch's rows by
+        // sequence, and the eval callback needs them in batch order.
+        cp.n_seq_max = (uint32_t) o.n_seq;
+        cp.kv_unified = true;
         // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
@@ -1683,8 +1773,8 @@ private:
         }
     }
 
-    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits) {
-        const int32_t idx = llama_batch_ext_add_token(b, 0, t);
+    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0) {
+        const int32_t idx = llama_batch_ext_add_token(b, seq, t);
         if (idx < 0 || !llama_batch_ext_set_pos(b, idx, &pos) || !llama_batch_ext_set_output_logits(b, idx, logits)) {
             fail("could not add token " + std::to_string(t) + " at position " + std::to_string(pos) +
                  " to a batch (code " + std::to_string(idx) + ")");
@@ -1771,6 +1861,11 @@ private:
         for (int i = 0; i < n; ++i) {
             add_token(batch_tgt, toks[i], pos0 + i, logits == LogitsAll || (logits == LogitsLast && i == n - 1));
         }
+        run_target(n, logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0);
+    }
+
+    // Decode the n rows in batch_tgt (n_outputs of them with logits) and collect their features.
+    void run_target(int n, int n_outputs) {
         const size_t width = layers.size() * (size_t) n_embd;
         feats.resize((size_t) n * width);
         feat_rows = n;
@@ -1781,7 +1876,7 @@ private:
         n_out = 0;
         collecting = true;
         process(ctx_tgt, batch_tgt, "target decode");
-        n_out = logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0;
+        n_out = n_outputs;
         llama_synchronize(ctx_tgt);
         collecting = false;
         if (!capture || layers.empty()) {
@@ -2197,17 +2292,18 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
                          bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
                          int n_ubatch, const std::string & type_k, const std::string & type_v,
-                         const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq) {
+                         const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq, int n_seq) {
                  const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
                  ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
-                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft), n_rs_seq};
+                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft), n_rs_seq,
+                                  n_seq};
                  return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
              py::arg("use_layer_api"), py::arg("flash_attn") = 0, py::arg("verbose") = false, py::kw_only(),
              py::arg("n_threads_batch") = 0, py::arg("n_batch") = 512, py::arg("n_ubatch") = 512,
              py::arg("type_k") = "f16", py::arg("type_v") = "f16", py::arg("type_k_draft") = "f32",
-             py::arg("type_v_draft") = "f32", py::arg("n_rs_seq") = -1,
+             py::arg("type_v_draft") = "f32", py::arg("n_rs_seq") = -1, py::arg("n_seq") = 1,
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("n_batch", &Session::batch_size)
         .def_property_readonly("n_ubatch", &Session::ubatch_size)
@@ -2243,6 +2339,9 @@ PYBIND11_MODULE(_native, m) {
              }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
+        .def("decode_rows", &Session::decode_rows, py::arg("tokens"), py::arg("pos"), py::arg("seq"),
+             py::arg("top_k") = 1, py::call_guard<py::gil_scoped_release>())
+        .def("drop_sequence", &Session::drop_sequence, py::call_guard<py::gil_scoped_release>())
         .def("logits", &Session::logits)
         .def("keep_draft_logits", &Session::keep_draft_logits)
         .def("draft_logits", &Session::draft_logits)

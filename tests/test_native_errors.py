@@ -213,3 +213,28 @@ def test_importing_and_using_dflash_local_leaves_llama_cpp_python_logging_alone(
     assert "llama_model_loader" in parts["verbose llama_cpp model"]
     assert parts["quiet engine after llama_cpp"] == ""
     assert "llama_model_loader" in parts["verbose llama_cpp model again"]
+
+
+def test_decode_rows_checks_its_rows_before_llama_cpp(models, prompt):
+    """The training-data decode of several sequences side by side refuses what llama.cpp would abort on."""
+    tgt, dft = models
+    with pytest.raises(ValueError, match="n_seq must be 1..256, and 1 with a drafter"):
+        _native.Session(tgt, dft, [1, 3], 128, 2, True, False, n_seq=2)
+    s = _native.Session(tgt, None, [1, 3], 128, 2, True, False, n_seq=2)
+    with pytest.raises(IndexError, match="row 1: sequence 2 position 0 outside 2 sequences"):
+        s.decode_rows(prompt[:2], [0, 0], [0, 2])
+    with pytest.raises(IndexError, match=f"position {s.n_ctx} outside"):
+        s.decode_rows(prompt[:1], [s.n_ctx], [0])
+    with pytest.raises(ValueError, match="a position and a sequence each"):
+        s.decode_rows(prompt[:2], [0], [0, 0])
+    with pytest.raises(ValueError, match="top_k must be"):
+        s.decode_rows(prompt[:1], [0], [0], 0)
+    # two sequences in one batch decode as each alone: the same best tokens, features to rounding
+    ids, lp = s.decode_rows(prompt[:3] + prompt[:5], [0, 1, 2, 0, 1, 2, 3, 4], [0] * 3 + [1] * 5, 4)
+    both = s.features()
+    assert ids.shape == (8, 4) and (np.diff(lp, axis=1) <= 0).all() and (lp < 0).all()
+    s.drop_sequence(0)
+    s.drop_sequence(1)
+    alone, _ = s.decode_rows(prompt[:5], list(range(5)), [1] * 5, 4)
+    assert alone.tolist() == ids[3:].tolist()
+    np.testing.assert_allclose(s.features(), both[3:], rtol=1e-3, atol=1e-3 * np.abs(both).max())
