@@ -320,8 +320,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, help="reduced draft vocabulary: the N most frequent target tokens "
                    "(default 16384 for targets with more than 65536 tokens, else the full vocabulary)")
     p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
-                   "(default: Python standard library code and installed packages' descriptions)")
+                   "(default: code and prose from what is installed, see `dflash-local corpus`)")
     p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")
+    p.add_argument("-np", "--parallel", type=int, default=16, help="continuations decoded side by side in one target "
+                   "batch while making data (default 16)")
     p.add_argument("--max-new", type=int, default=192, help="tokens per continuation (default 192)")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
@@ -346,6 +348,18 @@ def cmd_rpc_server(args) -> int:
     print(f"dflash-local: rpc-server listening on {args.host}:{args.port} (Ctrl-C stops it)", file=sys.stderr)
     serve(args.host, args.port, args.threads or os.cpu_count() or 1, args.cache)
     return 1
+
+
+def cmd_corpus(args) -> int:
+    from collections import Counter
+
+    from .corpus import write_corpus
+
+    rows = write_corpus(args.out, args.seed)
+    kinds = Counter(r.kind for r in rows)
+    print(f"dflash-local: wrote {len(rows)} prompts ({kinds['code']} code, {kinds['prose']} prose) with their source "
+          f"and licence to {args.out}", file=sys.stderr)
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -438,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_init_drafter)
+
+    co = sub.add_parser("corpus", help="write the default training prompts with their source and licence (JSONL)")
+    co.add_argument("-o", "--out", required=True, help="the JSONL file to write")
+    co.add_argument("--seed", type=int, default=0, help="the order's seed, as train's --seed (default 0)")
+    co.set_defaults(func=cmd_corpus)
 
     tr = sub.add_parser("train", help="train a DFlash drafter for a target GGUF on its own greedy continuations")
     _train_args(tr)

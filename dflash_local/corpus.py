@@ -284,12 +284,12 @@ def training_prompts(corpus: str | Path | None = None, seed: int = 0) -> list[st
     return [p.text for p in default_corpus(seed)]
 
 
-def write_corpus(path: str | Path, seed: int = 0) -> int:
-    """The default corpus as JSONL (prompt, source, license, kind), in training order; returns the prompt count."""
+def write_corpus(path: str | Path, seed: int = 0) -> list[Prompt]:
+    """The default corpus as JSONL (prompt, source, license, kind), in training order."""
     from .atomic import atomic_output
 
     rows = default_corpus(seed)
     with atomic_output(Path(path)) as tmp:
         tmp.write_text("".join(json.dumps({"prompt": p.text} | {k: v for k, v in asdict(p).items() if k != "text"})
                                + "\n" for p in rows))
-    return len(rows)
+    return rows

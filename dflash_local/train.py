@@ -59,6 +59,7 @@ class TrainConfig:
     corpus: str | None = None
     samples: int = 800
     max_new: int = 192
+    parallel: int = 16  # continuations decoded side by side while making data
     steps: int = 3000
     batch: int = 4  # sequences per step
     anchors: int = 16  # blocks per sequence
@@ -195,7 +196,7 @@ class Trainer:
             self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
-                          progress=progress, placement=Placement(**cfg.placement))
+                          n_parallel=cfg.parallel, progress=progress, placement=Placement(**cfg.placement))
         return [load_sample(p) for p in paths]
 
     # -- model ------------------------------------------------------------------------------------------------------
@@ -385,7 +386,8 @@ def run_train(args) -> int:
     cfg = TrainConfig(
         target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
-        samples=args.samples, max_new=args.max_new, steps=args.steps, batch=args.batch, anchors=args.anchors,
+        samples=args.samples, max_new=args.max_new, parallel=args.parallel, steps=args.steps, batch=args.batch,
+        anchors=args.anchors,
         lr=args.lr, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,

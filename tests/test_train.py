@@ -1,6 +1,7 @@
 """`dflash-local train` on the tiny target: data from the native export, training, resume, validation, export."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,11 +216,24 @@ def test_draft_vocabulary_keeps_the_most_frequent_continuation_tokens():
     assert draft_vocabulary(s, 10, 4, prior).tolist() == [1, 2, 3, 9]  # or the tokenizer's scores
 
 
-def test_default_corpus_mixes_code_and_prose_and_is_reproducible(tmp_path):
-    a = training_prompts(seed=0)
-    assert a[:50] == training_prompts(seed=0)[:50]
-    assert any(p.lstrip().startswith(("def ", "class ", "async def ")) for p in a[:10])
-    assert any(not p.lstrip().startswith(("def ", "class ", "async def ", "@")) for p in a[:10])
+def test_default_corpus_has_many_languages_provenance_and_licences_and_is_reproducible(tmp_path):
+    assert main(["corpus", "-o", str(tmp_path / "corpus.jsonl")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "corpus.jsonl").read_text().splitlines()]
+    assert all(set(r) == {"prompt", "source", "license", "kind"} and r["license"] and r["source"] for r in rows)
+    assert len({" ".join(r["prompt"].split()) for r in rows}) == len(rows)  # deduplicated
+    # code and prose alternate, and any prefix mixes the sources: the first 40 hold Python from the standard library
+    # and from installed packages, prose from package descriptions, and (on a Debian machine) man pages
+    head = rows[:40]
+    assert [r["kind"] for r in head[:6]] == ["code", "prose"] * 3
+    assert any(r["license"] == "PSF-2.0" for r in head) and any(r["source"].endswith("/METADATA") for r in head)
+    assert any(r["prompt"].lstrip().startswith(("def ", "class ", "async def ")) and r["license"] != "PSF-2.0"
+               for r in head)
+    if Path("/usr/share/man").is_dir():
+        assert any("/usr/share/man/" in r["source"] for r in head)
+    assert [r["prompt"] for r in rows[:200]] == training_prompts(seed=0)[:200]  # the order training uses
+
+
+def test_corpus_files_are_read_as_prompts(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"prompt": "one"}\n\n{"text": "two"}\n')
     assert read_corpus(tmp_path / "c.jsonl") == ["one", "two"]
     (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
