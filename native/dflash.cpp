@@ -1621,7 +1621,7 @@ private:
         // Sequences share one unified cache: with a stream per sequence llama.cpp regroups a batch's rows by
         // sequence, and the eval callback needs them in batch order.
         cp.n_seq_max = (uint32_t) o.n_seq;
-        cp.kv_unified = true;
+        cp.kv_unified = o.n_seq > 1;
         // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
