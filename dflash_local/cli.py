@@ -311,6 +311,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     # here rather than in train.py, which needs torch: `train --help` works without it
     p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
     p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
+    p.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash", help="dflash2 adds DFlash2's "
+                   "convolutions and candidate selector (default dflash)")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
                    "size is the target's, since it reads the target's embeddings")

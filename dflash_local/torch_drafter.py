@@ -74,13 +74,15 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
-    """DFlash2's convolution over a block's positions. x [n, H]; dynamic [n, K, H / group], the output position's
-    corrections per tap and channel group; base [K, H]. out[t] = sum over taps o <= t of (base[o] + dynamic[t, o])
-    * x[t - o]: positions before the block's first read as zeros."""
-    w = base[None] + dynamic.repeat_interleave(group, dim=-1)  # [n, K, H]
+    """DFlash2's convolution over a block's positions. x [..., n, H]; dynamic [..., n, K, H / group], the output
+    position's corrections per tap and channel group; base [K, H]. out[t] = sum over taps o <= t of
+    (base[o] + dynamic[t, o]) * x[t - o]: positions before the block's first read as zeros. Leading dimensions are
+    separate blocks."""
+    w = base + dynamic.repeat_interleave(group, dim=-1)  # [..., n, K, H]
+    n = x.shape[-2]
     out = torch.zeros_like(x)
-    for o in range(min(base.shape[0], x.shape[0])):
-        out[o:] += w[o:, o] * x[: x.shape[0] - o]
+    for o in range(min(base.shape[0], n)):
+        out[..., o:, :] += w[..., o:, o, :] * x[..., : n - o, :]
     return out
 
 
@@ -138,33 +140,39 @@ class DFlashDrafter(nn.Module):
             out.append((rope(k, pos, s.rope_theta), v))
         return out
 
-    def conv(self, L, side: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """DFlash2: convolve a sublayer's normed input (kernel side 0); return it and the output side's kernels."""
+    def conv(self, L, side: str, h: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash2: convolve a sublayer's normed input (kernel side 0) in blocks of `block` rows; return it and the
+        output side's kernels."""
         if self.selector is None:
             return h, None
         k, g = L[f"{side}_conv_base"].shape[1], self.shape.conv_group_size
-        dynamic = (h @ L[f"{side}_conv_proj"].T).view(h.shape[0], 2, k, -1)
-        return grouped_causal_conv(h, dynamic[:, 0], L[f"{side}_conv_base"][0], g), dynamic[:, 1]
+        blocks = h.view(-1, block, h.shape[-1])
+        dynamic = (blocks @ L[f"{side}_conv_proj"].T).view(*blocks.shape[:2], 2, k, -1)
+        out = grouped_causal_conv(blocks, dynamic[:, :, 0], L[f"{side}_conv_base"][0], g)
+        return out.view_as(h), dynamic[:, :, 1]
 
     def conv_out(self, L, side: str, y: torch.Tensor, dynamic: torch.Tensor | None) -> torch.Tensor:
         if dynamic is None:
             return y
-        return grouped_causal_conv(y, dynamic, L[f"{side}_conv_base"][1], self.shape.conv_group_size)
+        blocks = y.view(*dynamic.shape[:2], y.shape[-1])
+        out = grouped_causal_conv(blocks, dynamic, L[f"{side}_conv_base"][1], self.shape.conv_group_size)
+        return out.view_as(y)
 
     def forward(self, noise: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_mask: torch.Tensor | None = None):
+                attn_mask: torch.Tensor | None = None, block: int | None = None):
         """Hidden states of the noise block. noise: [n, hidden] embeddings; ctx: per-layer cached (K, V).
         attn_mask [n, len(ctx) + n] (True = attend) lets training run many blocks at once; None = all of ctx.
-        A DFlash2 drafter's convolutions take the whole input as one block."""
+        A DFlash2 drafter's convolutions run over blocks of `block` rows (None: the whole input is one block)."""
         s = self.shape
         x = noise
         n = x.shape[0]
+        block = block or n
         window = None
         if s.sliding_window and attn_mask is None:  # drafting: the context holds positions 0 .. m - 1
             key_pos = torch.cat([torch.arange(ctx[0][0].shape[0], device=x.device), pos])
             window = (pos[:, None] - key_pos[None, :]) < s.sliding_window
         for i, (L, (ck, cv)) in enumerate(zip(self.layers, ctx)):
-            h, attn_dyn = self.conv(L, "attn", rms_norm(x, L["attn_norm"], s.rms_eps))
+            h, attn_dyn = self.conv(L, "attn", rms_norm(x, L["attn_norm"], s.rms_eps), block)
             q = rope(rms_norm((h @ L["attn_q"].T).view(n, s.n_head, s.head_dim), L["attn_q_norm"], s.rms_eps),
                      pos, s.rope_theta)
             k = rope(rms_norm((h @ L["attn_k"].T).view(n, s.n_head_kv, s.head_dim), L["attn_k_norm"], s.rms_eps),
@@ -183,7 +191,7 @@ class DFlashDrafter(nn.Module):
             a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                attn_mask=mask, scale=1.0 / math.sqrt(s.head_dim))
             x = x + self.conv_out(L, "attn", a.transpose(0, 1).reshape(n, -1) @ L["attn_output"].T, attn_dyn)
-            h, ffn_dyn = self.conv(L, "ffn", rms_norm(x, L["ffn_norm"], s.rms_eps))
+            h, ffn_dyn = self.conv(L, "ffn", rms_norm(x, L["ffn_norm"], s.rms_eps), block)
             x = x + self.conv_out(L, "ffn", (F.silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T,
                                   ffn_dyn)
         return rms_norm(x, self.norm, s.rms_eps)

@@ -44,13 +44,17 @@ from .traindata import Sample, from_bf16, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
-SHAPE_FIELDS = ("n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new", "seed")
+SHAPE_FIELDS = ("variant", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new",
+                "seed")
+# a DFlash2 drafter's convolution and candidate selector (z-lab's names, in dflash_config)
+DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 4}
 
 
 @dataclass
 class TrainConfig:
     target: str
     out: str
+    variant: str = "dflash"  # or "dflash2"
     n_layer: int = 1
     n_ff: int | None = None  # default: the target's
     target_layers: list[int] | None = None  # layer-input indices as in the GGUF (z-lab ids + 1)
@@ -133,7 +137,7 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     block = torch.arange(nb, device=dev).repeat_interleave(B)
     see_ctx = (torch.arange(T, device=dev)[None, :] < a[:, None]).repeat_interleave(B, 0)  # context before the anchor
     see_block = block[:, None] == block[None, :]
-    h = model(emb[row_of[noise.flatten()]], pos.flatten(), ctx, torch.cat([see_ctx, see_block], 1))
+    h = model(emb[row_of[noise.flatten()]], pos.flatten(), ctx, torch.cat([see_ctx, see_block], 1), block=B)
     h = h.view(nb, B, -1)[:, 1:]
 
     target_pos = pos[:, 1:]
@@ -144,8 +148,52 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction="none").view(nb, B - 1)
     w = weights[None, :].to(dev) * (labels >= 0)
     right = (logits.argmax(-1) == labels) & (labels >= 0)
+    if model.selector is not None:
+        ce_sel, right = selector_loss(model, h, logits, tokens[target_pos.clamp(max=n - 1) - 1], labels)
+        ce = ce + ce_sel
     accepted = torch.cumprod(right.int(), 1).sum(1)
     return Batch((ce * w).sum(), float(w.sum()), accepted.tolist())
+
+
+def selector_loss(model: DFlashDrafter, h: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor,
+                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's candidate selector, taught along the target's own path: at each block position the top_k draft
+    candidates are scored after the TRUE previous token (the anchor at the first), as the lattice walk scores them
+    whenever its previous pick was right, which is the only case acceptance needs; cross-entropy towards the
+    target's token where it is among them (else 0). Returns the loss [nb, B-1] and where the walk would be right."""
+    k, sel = model.shape.selector_top_k, model.selector
+    unary, cand = torch.topk(logits * model.shape.logit_scale, k, dim=-1)  # [nb, B-1, k] draft-vocabulary rows
+    cand_ids = model.d2t[cand] if model.d2t is not None else cand
+    gate = h @ sel["hidden"].T  # [nb, B-1, R]
+    pair = ((sel["predecessor"][prev] * gate)[..., None, :] * sel["successor"][cand_ids]).sum(-1)
+    scores = unary + pair
+    hit = cand == labels[..., None]
+    found = hit.any(-1)
+    ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none").view(found.shape)
+    right = found & (scores.argmax(-1) == hit.float().argmax(-1))
+    return ce * found, right
+
+
+def add_dflash2(model: DFlashDrafter, n_vocab: int, rng: np.random.Generator) -> DFlashDrafter:
+    """The DFlash drafter grown into a DFlash2 one: identity convolutions with small dynamic corrections, and a
+    candidate selector whose pair scores start near zero, so that it first drafts as the DFlash drafter would."""
+    w = model.gguf_tensors()
+    H, c = model.shape.n_embd, DFLASH2
+    K, g, R = c["conv_kernel_size"], c["conv_group_size"], c["selector_rank"]
+    if H % g:
+        raise ValueError(f"DFlash2 needs a hidden size divisible by its conv group size {g}; the target's is {H}")
+    base = np.zeros((2, K, H), np.float32)
+    base[:, 0] = 1.0
+    for i in range(model.shape.n_layer):
+        for side in ("attn", "ffn"):
+            w[f"blk.{i}.{side}_conv_base"] = base
+            w[f"blk.{i}.{side}_conv_proj.weight"] = (rng.standard_normal((2 * K * H // g, H)) * 0.01 / np.sqrt(H)
+                                                     ).astype(np.float32)
+    for side in ("predecessor", "successor"):
+        w[f"selector_{side}.weight"] = (rng.standard_normal((n_vocab, R)) * 0.1).astype(np.float32)
+    w["selector_hidden.weight"] = (rng.standard_normal((R, H)) / np.sqrt(H)).astype(np.float32)
+    shape = dataclasses.replace(model.shape, conv_group_size=g, selector_top_k=c["selector_top_k"])
+    return DFlashDrafter(shape, w)
 
 
 class Trainer:
@@ -214,6 +262,8 @@ class Trainer:
             ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab, prior)
             model.lm_head = torch.nn.Parameter(torch.from_numpy(target_rows(t, ids)))
             model.d2t = torch.from_numpy(ids)
+        if cfg.variant == "dflash2":
+            model = add_dflash2(model, t.n_vocab, np.random.default_rng(cfg.seed))
         # embeddings of every token the blocks can hold (anchors and the mask), scaled as the drafter's graph does
         used = np.unique(np.concatenate([s.tokens for s in samples] + [[model.shape.mask_token]]))
         emb = torch.from_numpy(target_rows(t, used, "token_embd.weight")) * model.shape.embedding_scale
@@ -244,8 +294,11 @@ class Trainer:
         if "d2t" in tensors:
             tensors["d2t"] = tensors["d2t"] - np.arange(len(tensors["d2t"]))  # z-lab stores offsets
         n_ff = tensors["blk.0.ffn_gate.weight"].shape[0]
+        dflash_config = {"target_layer_ids": [i - 1 for i in sh.target_layers], "mask_token_id": sh.mask_token}
+        if cfg.variant == "dflash2":
+            dflash_config |= DFLASH2 | {"block_size": sh.block_size}
         config = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if cfg.variant == "dflash2" else "DFlashDraftModel"],
             "model_type": "qwen3",
             "_name_or_path": f"dflash-local drafter for {t.kv.get('general.name', t.arch)}",
             "hidden_size": sh.n_embd,
@@ -262,7 +315,7 @@ class Trainer:
             "draft_vocab_size": len(tensors["d2t"]) if "d2t" in tensors else t.n_vocab,
             "block_size": sh.block_size,
             "num_target_layers": t.get("block_count"),
-            "dflash_config": {"target_layer_ids": [i - 1 for i in sh.target_layers], "mask_token_id": sh.mask_token},
+            "dflash_config": dflash_config,
             "torch_dtype": "float32",
         }
         folder = folder or gguf_path.with_suffix("")
@@ -384,7 +437,8 @@ def run_train(args) -> int:
     placement = from_args(args)
     placement.check(drafting=True)
     cfg = TrainConfig(
-        target=str(args.target or default_target()), out=args.out, n_layer=args.layers, n_ff=args.ffn_size,
+        target=str(args.target or default_target()), out=args.out, variant=args.variant, n_layer=args.layers,
+        n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, parallel=args.parallel, steps=args.steps, batch=args.batch,
         anchors=args.anchors,

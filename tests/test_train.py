@@ -148,7 +148,14 @@ def check_drafts_agree(out, target, n_samples=4, backends=("zlab", "gguf")):
             ctx = model.context_kv(torch.from_numpy(s.features_f32(a)) / scale, torch.arange(a))
             noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
             h = model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:]
-            trained = model.d2t[(h @ tr.head(model).T).argmax(-1)].tolist()
+            logits = h @ tr.head(model).T
+            if model.selector is None:
+                trained = model.d2t[logits.argmax(-1)].tolist()
+            else:  # DFlash2: the walk through the selector lattice, over the full vocabulary
+                full = torch.full((B - 1, tr.target_info.n_vocab), -torch.inf)
+                full[:, model.d2t] = logits
+                lattice = model.selector_lattice(h, full, int(s.tokens[a]), model.shape.selector_top_k)
+                trained = model.walk(*lattice)[0]
         for backend in torch_backends:
             backend.crop(0)
             backend.add(s.features_f32(a), 0)
@@ -239,3 +246,26 @@ def test_corpus_files_are_read_as_prompts(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_corpus(tmp_path / "bad.jsonl")
+
+
+def test_a_dflash2_drafter_trains_exports_and_drafts_the_same_everywhere(tmp_path, tiny_target, corpus):
+    """`train --variant dflash2`: convolutions and candidate selector trained with the rest, exported as a z-lab
+    DFlash2DraftModel checkpoint and a GGUF that `inspect` names DFlash2, drafting the same walk through the selector
+    lattice in training, the torch backend and llama.cpp's graph; the engine drafts with it losslessly."""
+    out = tmp_path / "run2"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus), "--variant", "dflash2"] + ARGS
+    assert main(args + ["--steps", "30"]) == 0
+    cfg = json.loads((out / "zlab" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 4
+    info = read_gguf(out / "drafter-f16.gguf")
+    assert "selector_hidden.weight" in info.tensors and "blk.0.attn_conv_base" in info.tensors
+    log = [json.loads(x) for x in (out / "train.log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < losses[0]
+    check_drafts_agree(out, tiny_target, backends=("gguf",))
+    prompts = make_prompts(6, seed=3)
+    e = Engine(tiny_target, out / "drafter-f16.gguf", n_ctx=512, draft_policy="fixed")
+    plain = [e.complete(p, max_tokens=40, draft=False).token_ids for p in prompts]
+    fast = [e.complete(p, max_tokens=40) for p in prompts]
+    assert [r.token_ids for r in fast] == plain
+    assert sum(r.summary.n_drafted for r in fast) > 0
