@@ -331,6 +331,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--soft-labels", type=float, default=0.0, metavar="W", help="share of the loss taken against the "
+                   "target's distribution (its top 8 tokens) instead of its greedy token (default 0)")
     p.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)

@@ -68,6 +68,7 @@ class TrainConfig:
     batch: int = 4  # sequences per step
     anchors: int = 16  # blocks per sequence
     lr: float = 1e-3
+    soft: float = 0.0  # share of the loss taken against the target's distribution rather than its token
     warmup: int = 100
     device: str = "cpu"
     seed: int = 0
@@ -117,8 +118,9 @@ def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 5
 
 def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, row_of: torch.Tensor,
                   label_of: torch.Tensor, s: Sample, scale: torch.Tensor, n_anchors: int, rng: np.random.Generator,
-                  weights: torch.Tensor) -> Batch | None:
-    """Weighted cross-entropy of up to n_anchors blocks anchored at random positions of one sample's continuation."""
+                  weights: torch.Tensor, soft: float = 0.0) -> Batch | None:
+    """Weighted cross-entropy of up to n_anchors blocks anchored at random positions of one sample's continuation;
+    with soft > 0, that share of it against the target's own distribution (its top 8, as the data stores it)."""
     B = model.shape.block_size
     n = len(s.tokens)
     candidates = np.arange(s.n_prompt, n - 1)  # an anchor is a generated token with at least one token after it
@@ -146,6 +148,8 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     labels = torch.where(valid, labels, -1)
     logits = h @ head.T
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction="none").view(nb, B - 1)
+    if soft > 0:
+        ce = (1 - soft) * ce + soft * soft_cross_entropy(logits, s, target_pos.clamp(max=n - 1) - 1, label_of)
     w = weights[None, :].to(dev) * (labels >= 0)
     right = (logits.argmax(-1) == labels) & (labels >= 0)
     if model.selector is not None:
@@ -153,6 +157,16 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
         ce = ce + ce_sel
     accepted = torch.cumprod(right.int(), 1).sum(1)
     return Batch((ce * w).sum(), float(w.sum()), accepted.tolist())
+
+
+def soft_cross_entropy(logits: torch.Tensor, s: Sample, rows: torch.Tensor, label_of: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the target's distribution after each of `rows` (the position before the label): its
+    top tokens' probabilities, renormalised over those in the draft vocabulary."""
+    ids = torch.from_numpy(s.top_ids).to(logits.device)[rows]  # [nb, B-1, TOP_K] target ids
+    lp = torch.from_numpy(s.top_logprobs.astype(np.float32)).to(logits.device)[rows]
+    d = label_of[ids.long()]
+    p = torch.softmax(lp.masked_fill(d < 0, -torch.inf), -1).nan_to_num(0.0)  # none in the vocabulary: no loss
+    return -(p * torch.log_softmax(logits, -1).gather(-1, d.clamp(min=0))).sum(-1)
 
 
 def selector_loss(model: DFlashDrafter, h: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor,
@@ -394,7 +408,7 @@ class Trainer:
                 total, wsum, acc = 0.0, 0.0, []
                 for j in rng.choice(len(samples), size=cfg.batch, replace=len(samples) < cfg.batch):
                     b = sequence_loss(model, self.head(model), emb, row_of, label_of, samples[j], scale, cfg.anchors,
-                                      rng, weights)
+                                      rng, weights, cfg.soft)
                     if b is None:
                         continue
                     (b.loss / (cfg.batch * cfg.anchors)).backward()
@@ -442,7 +456,7 @@ def run_train(args) -> int:
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, parallel=args.parallel, steps=args.steps, batch=args.batch,
         anchors=args.anchors,
-        lr=args.lr, device=args.device, seed=args.seed, placement=asdict(placement),
+        lr=args.lr, soft=args.soft_labels, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         outtype=args.outtype,

@@ -213,6 +213,18 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     assert float(b.loss) == pytest.approx(float(ce), rel=1e-4)
     right = (logits.argmax(-1) == labels).view(3, B - 1).int()
     assert b.accepted == torch.cumprod(right, 1).sum(1).tolist()
+    # soft labels: the target's top tokens after the position before each label, renormalised over the draft
+    # vocabulary, mixed in at the given share
+    with torch.no_grad():
+        soft = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 3, Pick(), weights, 0.25)
+        rows = [a + k - 1 for a in anchors for k in range(1, B)]
+        d = label_of[torch.from_numpy(s.top_ids[rows]).long()]
+        p = torch.softmax(torch.from_numpy(s.top_logprobs[rows].astype(np.float32)).masked_fill(d < 0, -torch.inf), -1)
+        target = torch.zeros_like(logits).scatter_add_(1, d.clamp(min=0), p.nan_to_num(0.0))
+        soft_ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
+        hard = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        expect = ((0.75 * hard + 0.25 * soft_ce) * ok).sum()
+    assert float(soft.loss) == pytest.approx(float(expect), rel=1e-4)
 
 
 def test_draft_vocabulary_keeps_the_most_frequent_continuation_tokens():
