@@ -42,8 +42,10 @@ class Prompt:
 # a line that opens a definition, per language; the prompt is that line and 0-3 lines after it
 OPENERS = {
     ".py": re.compile(r"^\s*(def|class|async def) \w+"),
-    ".h": re.compile(r"^(static |extern )?(inline )?[A-Za-z_][\w \*]*\b\w+\s*\([^;]*$|^(typedef )?(struct|enum) \w+ \{"),
-    ".js": re.compile(r"^\s*(export )?(async )?function\*? \w+\s*\(|^\s*(export )?(const|let) \w+ = (async )?\(.*\) =>"),
+    ".h": re.compile(r"^(static |extern )?(inline )?[A-Za-z_][\w \*]*\b\w+\s*\([^;]*$|"
+                     r"^(typedef )?(struct|enum) \w+ \{"),
+    ".js": re.compile(r"^\s*(export )?(async )?function\*? \w+\s*\(|"
+                      r"^\s*(export )?(const|let) \w+ = (async )?\(.*\) =>"),
     ".java": re.compile(r"^\s+(public|private|protected|static)[\w<>\[\], ]* \w+\(.*\)\s*(throws [\w., ]+)?\s*\{$|"
                         r"^(public |abstract |final )*(class|interface|record) \w+"),
     ".pm": re.compile(r"^sub \w+"),

@@ -111,7 +111,8 @@ def label_index(model: DFlashDrafter, n_vocab: int) -> torch.Tensor:
 
 def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 50000) -> np.ndarray:
     per = rows // len(samples) + 1
-    f = np.concatenate([from_bf16(s.features[rng.choice(len(s.features), size=min(per, len(s.features)), replace=False)])
+    f = np.concatenate([from_bf16(s.features[rng.choice(len(s.features), size=min(per, len(s.features)),
+                                                        replace=False)])
                         for s in samples if len(s.features)])
     return np.sqrt((f.astype(np.float64) ** 2).mean(0)).astype(np.float32) + 1e-6
 
@@ -399,9 +400,10 @@ class Trainer:
         weights = position_weights(cfg.block_size)
         history = self.out / "train.log.jsonl"
         bar = tqdm(total=cfg.steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True)
-        recent_loss, recent_acc = [], []
+        recent_loss, recent_acc, recent_s = [], [], []
         try:
             while step < cfg.steps:
+                t_step = time.perf_counter()
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 opt.zero_grad()
@@ -416,6 +418,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 step += 1
+                recent_s = (recent_s + [time.perf_counter() - t_step])[-50:]
                 recent_loss = (recent_loss + [total / max(wsum, 1e-9)])[-50:]
                 recent_acc = (recent_acc + [1 + float(np.mean(acc)) if acc else 1.0])[-50:]
                 bar.update(1)
@@ -424,7 +427,8 @@ class Trainer:
                     save()
                     with open(history, "a") as f:
                         f.write(json.dumps({"step": step, "loss": float(np.mean(recent_loss)),
-                                            "tau_train": float(np.mean(recent_acc)), "lr": lr_at(step - 1)}) + "\n")
+                                            "tau_train": float(np.mean(recent_acc)), "lr": lr_at(step - 1),
+                                            "steps_per_s": len(recent_s) / sum(recent_s)}) + "\n")
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     model.eval()
                     v = self.validate(model, scale, held_out)
