@@ -170,7 +170,10 @@ def system_code_files():
 
 def java_files():
     for src in sorted(Path("/usr/lib/jvm").glob("*/lib/src.zip"))[:1]:
-        z = zipfile.ZipFile(src)
+        try:
+            z = zipfile.ZipFile(src)
+        except (OSError, zipfile.BadZipFile):
+            return
         for name in sorted(n for n in z.namelist() if n.endswith(".java")):
             yield (Path(f"{src}/{name}"), lambda name=name, z=z:
                    (z.read(name).decode("utf-8", "replace"), "GPL-2.0-only WITH Classpath-exception-2.0"))
