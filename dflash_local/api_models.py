@@ -14,7 +14,7 @@ from . import chat_output, reasoning, tool_calls
 from .api_errors import APIError
 from .engine import ContextOverflowError, Engine, Finished
 from .grammar import grammar_of
-from .sampling import SamplingParams
+from .sampling import ParamError, SamplingParams
 
 # Request fields this server cannot honour, with the values it can (a field absent or null is always fine). A request
 # setting one otherwise is a 400 naming the field: a client asking for them would otherwise get something it did not
@@ -116,13 +116,15 @@ class GenerationRequest(BaseModel):
             raise APIError(400, str(e))
         try:
             params = SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, **controls)
-        except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split()[0].rstrip(":"))
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param)
         try:
             params.grammar = grammar
             params.sampler(engine.target, [], engine.n_ctx)  # parses the grammar, checks the bias's token ids
-        except ValueError as e:
-            raise APIError(400, str(e), param=grammar_param if grammar else "logit_bias")
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param)
+        except ValueError as e:  # the grammar did not parse
+            raise APIError(400, str(e), param=grammar_param)
         max_tokens = self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0 else
                                                                        engine.n_ctx - len(ids))
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from . import _native
 
 
+class ParamError(ValueError):
+    """A sampling parameter the engine refuses; `param` names it (the request field, for the server's 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -34,27 +42,27 @@ class SamplingParams:
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be between 0 and 100, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is None:
             self.seed = int.from_bytes(os.urandom(8), "little")
         if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ParamError("seed", f"seed must be an integer, got {self.seed!r}")
         for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a number, got {v!r}")
+                raise ParamError(name, f"{name} must be a number, got {v!r}")
         if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+            raise ParamError("repeat_penalty", f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
         if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
-            raise ValueError(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
+            raise ParamError("repeat_last_n", f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
-            raise ValueError("grammar must be a string (GBNF)")
+            raise ParamError("grammar", "grammar must be a string (GBNF)")
         self.logit_bias = parse_logit_bias(self.logit_bias)
 
     @property
@@ -70,10 +78,11 @@ class SamplingParams:
                 n_logprobs: int | None = None) -> _native.Sampler:
         """One generation's native sampling state, after `prompt`; it records the logprobs of every sampled token
         with its n_logprobs most likely alternatives when n_logprobs is not None. A grammar that does not parse
-        raises ValueError."""
+        raises ValueError, a bias for a token outside the vocabulary ParamError."""
         for tok in self.logit_bias or {}:
             if tok >= target.n_vocab:
-                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary (0..{target.n_vocab - 1})")
+                raise ParamError("logit_bias", f"logit_bias: token id {tok} is outside the vocabulary "
+                                               f"(0..{target.n_vocab - 1})")
         return _native.Sampler(
             target, self.native(), list((self.logit_bias or {}).items()),
             n_ctx if self.repeat_last_n == -1 else self.repeat_last_n, float(self.repeat_penalty),
@@ -88,21 +97,23 @@ def parse_logit_bias(bias) -> dict[int, float] | None:
         return None
     pairs = bias.items() if isinstance(bias, dict) else bias
     if not isinstance(pairs, (list, tuple, type({}.items()))):
-        raise ValueError("logit_bias must map token ids to biases")
+        raise ParamError("logit_bias", "logit_bias must map token ids to biases")
     out = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ValueError("logit_bias must map token ids to biases, or be a list of [token id, bias] pairs")
+            raise ParamError("logit_bias", "logit_bias must map token ids to biases, or be a list of [token id, bias] "
+                                           "pairs")
         tok, b = pair
         try:
             tok = int(tok) if not isinstance(tok, (bool, float)) else None
         except ValueError:
             tok = None
         if tok is None or tok < 0:
-            raise ValueError(f"logit_bias: {pair[0]!r} is not a token id")
+            raise ParamError("logit_bias", f"logit_bias: {pair[0]!r} is not a token id")
         if b is False:
             b = -math.inf
         if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b == math.inf:
-            raise ValueError(f"logit_bias: the bias of token {tok} must be a number or false, got {b!r}")
+            raise ParamError("logit_bias", f"logit_bias: the bias of token {tok} must be a number or false, "
+                                           f"got {b!r}")
         out[tok] = out.get(tok, 0.0) + float(b)
     return out
