@@ -147,6 +147,22 @@ def zlab2_config(*, conv_kernel_size=2, conv_group_size=16, selector_rank=32, se
     return cfg
 
 
+def zlab_gemma4_config(*, sliding_window=2048, n_full=1, final_logit_softcapping=30.0, input_embedding_scale=None,
+                       **kw) -> dict:
+    """config.json of a z-lab Gemma-4 DFlash drafter (z-lab/gemma-4-31B-it-DFlash: a DFlashDraftModel of Qwen3
+    layers with sliding-window attention, window 2048, on all but the last `n_full` layers, the target's final
+    logit soft-cap of 30 and rope_theta 1e6). input_embedding_scale, when given, is written in dflash_config, where
+    upstream's converter reads it."""
+    cfg = zlab_config(**{"rope_theta": 1000000.0, **kw})
+    n = cfg["num_hidden_layers"]
+    cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=n,
+               layer_types=["sliding_attention"] * (n - n_full) + ["full_attention"] * n_full,
+               final_logit_softcapping=final_logit_softcapping)
+    if input_embedding_scale is not None:
+        cfg["dflash_config"]["input_embedding_scale"] = input_embedding_scale
+    return cfg
+
+
 def _dflash2_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     dc, h = cfg["dflash_config"], cfg["hidden_size"]
     k, r = dc["conv_kernel_size"], dc["selector_rank"]
