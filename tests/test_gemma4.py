@@ -57,6 +57,9 @@ def test_the_target_is_a_gemma4_with_its_parts(engine, gemma4):
     # a random model that says something: many different tokens, not one repeated
     out = engine.complete("The quick brown fox", max_tokens=64, draft=False).token_ids
     assert len(set(out)) > 20
+    # the window is in force: the same weights with a window longer than the text continue otherwise
+    wide = Engine(write_tiny_gemma4(gemma4.parent / "tiny-gemma4-wide.gguf", sliding_window=4096), n_ctx=256)
+    assert wide.complete("The quick brown fox", max_tokens=64, draft=False).token_ids != out
 
 
 def test_a_quantized_cache_needs_whole_blocks_in_the_sliding_layers_too(gemma4, gemma4_drafter):
