@@ -2,7 +2,8 @@
 
 - write_checkpoint: random weights in z-lab's exact layout (config.json with DFlashDraftModel and dflash_config,
   BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory;
-  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them).
+  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them); with a
+  zlab_gemma4_config, z-lab's Gemma-4 layout (sliding-window layers, the target's logit soft-cap).
 - Reference: the DFlash forward in float64 NumPy, written from the model's definition, not from the converter:
   ctx = hidden_norm(fc(features)); per layer, queries from the noise block only, keys/values from [ctx; noise]
   (ctx K/V from the ctx hidden itself, no input_layernorm, as llama.cpp's dflash graph does), per-head q/k RMS norm,
