@@ -124,10 +124,13 @@ class Placement:
                 continue
             head = info.get("embedding_length", 0) // max(info.get("attention.head_count", 1) or 1, 1)
             sizes = (info.get("attention.key_length", head), info.get("attention.value_length", head))
-            for flag, name, size in zip(flags, types, sizes):
-                if name not in ("f32", "f16", "bf16") and size % 32:
-                    raise PlacementError(f"{flag} {name}: the {info.arch} model's attention heads hold {size} values, "
-                                         f"not a multiple of {name}'s block of 32")
+            # gemma4's sliding-window layers have heads of another size
+            swa = (info.get("attention.key_length_swa"), info.get("attention.value_length_swa"))
+            for flag, name, full, window in zip(flags, types, sizes, swa):
+                for size in (full, window or full):
+                    if name not in ("f32", "f16", "bf16") and size % 32:
+                        raise PlacementError(f"{flag} {name}: the {info.arch} model's attention heads hold {size} "
+                                             f"values, not a multiple of {name}'s block of 32")
 
     # -- what goes to the native module ---------------------------------------------------------------------------
 

@@ -23,9 +23,10 @@ from .validate import PairError, check_pair
 class Pair:
     name: str
     target_repo: str  # a Hub repository of GGUF files for the target
-    drafter_repo: str  # z-lab's drafter checkpoint
+    drafter_repo: str  # the drafter checkpoint (z-lab's layout)
     quant: str = "Q4_K_M"  # the target GGUF's quantization, as it appears in the file name
     note: str = ""
+    variant: str = "DFlash"  # or "DFlash2" (candidate selector), as `dflash-local inspect` names it
 
 
 REGISTRY = [
@@ -38,8 +39,11 @@ REGISTRY = [
     Pair("gpt-oss-120b", "ggml-org/gpt-oss-120b-GGUF", "z-lab/gpt-oss-120b-DFlash", quant="mxfp4"),
     Pair("gemma-4-26b-a4b-it", "unsloth/gemma-4-26B-A4B-it-GGUF", "z-lab/gemma-4-26B-A4B-it-DFlash"),
     Pair("gemma-4-31b-it", "unsloth/gemma-4-31B-it-GGUF", "z-lab/gemma-4-31B-it-DFlash"),
+    Pair("gemma-4-12b-it", "unsloth/gemma-4-12b-it-GGUF", "z-lab/gemma4-12B-it-DFlash"),
     Pair("qwen3.5-4b", "unsloth/Qwen3.5-4B-GGUF", "z-lab/Qwen3.5-4B-DFlash"),
     Pair("qwen3.5-9b", "unsloth/Qwen3.5-9B-GGUF", "z-lab/Qwen3.5-9B-DFlash"),
+    Pair("qwen3.8-27b-dflash2", "unsloth/Qwen3.8-27B-GGUF", "z-lab/Qwen3.8-27B-DFlash2", variant="DFlash2"),
+    Pair("qwen3.6-27b-dflash2", "unsloth/Qwen3.6-27B-GGUF", "JetBrains/Qwen3.6-27B-DFlash2", variant="DFlash2"),
 ]
 
 
@@ -95,7 +99,8 @@ def add_pull_args(p) -> None:
 def run_pull(args) -> int:
     if args.list:
         for p in REGISTRY:
-            print(f"{p.name:24} {p.target_repo} ({p.quant}) + {p.drafter_repo}" + (f"  [{p.note}]" if p.note else ""))
+            print(f"{p.name:24} {p.target_repo} ({p.quant}) + {p.drafter_repo} ({p.variant})"
+                  + (f"  [{p.note}]" if p.note else ""))
         return 0
     if args.target_repo or args.drafter_repo:
         if not (args.target_repo and args.drafter_repo):

@@ -1,4 +1,4 @@
-"""Deterministic tiny GGUF models for tests: a qwen3 target, a qwen3moe target and a dflash drafter.
+"""Deterministic tiny GGUF models for tests: qwen3, qwen3moe, mamba, qwen35 and gemma4 targets and a dflash drafter.
 
 Pure python + numpy + gguf. Run `python tests/fixtures.py OUTDIR` to write
 OUTDIR/tiny-target.gguf and OUTDIR/tiny-drafter.gguf.
@@ -382,6 +382,93 @@ def write_tiny_qwen35(path, *, seed=3, n_embd=64, n_layer=4, full_attention_inte
         w.add_tensor("output_norm.weight", init.norm(n_embd))
         head = init.linear(n_vocab, n_embd, gain=4.0)
         # control tokens get logit 0, never the largest: generations run to max_tokens, over hundreds of steps
+        head[[tok["special"][t] for t in SPECIAL_TOKENS]] = 0.0
+        w.add_tensor("output.weight", head)
+
+    return write_gguf_atomic(path, arch, fill)
+
+
+def write_tiny_gemma4(path, *, seed=4, n_embd=64, n_head=4, head_dim_swa=16, head_dim_full=32, n_ff=128,
+                      swa_pattern=(True, True, True, False, True, False), n_shared_kv=2, sliding_window=8,
+                      n_embd_per_layer=8, softcap=30.0) -> Path:
+    """Random-weight gemma4 model with the parts llama.cpp's gemma4 loader and graph read (src/models/gemma4.cpp):
+    sliding-window layers (a window shorter than the prompts) beside full-attention layers with their own head
+    size, KV head count, RoPE base and proportional RoPE (rope_freqs); full layers whose V is their K (no attn_v);
+    the last `n_shared_kv` layers reading the KV cache of earlier ones; per-layer token embeddings; post-attention
+    and post-FFN norms, GELU FFNs, a per-layer output scale; embeddings scaled by sqrt(n_embd) in the graph and
+    final logit soft-capping."""
+    tok = build_tokenizer()
+    n_vocab = len(tok["tokens"])
+    init = _Init(seed)
+    arch = "gemma4"
+    n_layer = len(swa_pattern)
+    n_kv_layers = n_layer - n_shared_kv
+    # llama.cpp's KV reuse: a shared sliding layer reads layer n_kv_layers - 2, a shared full one n_kv_layers - 1
+    assert swa_pattern[n_kv_layers - 2] and not swa_pattern[n_kv_layers - 1]
+    n_head_kv = [2 if swa else 1 for swa in swa_pattern]
+    n_rot_full = head_dim_full // 4  # proportional RoPE: a quarter of a full layer's head rotates
+
+    def fill(w):
+        w.add_name("tiny-gemma4")
+        w.add_context_length(2048)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_block_count(n_layer)
+        w.add_head_count(n_head)
+        w.add_key_value(f"{arch}.attention.head_count_kv", n_head_kv, gguf.GGUFValueType.ARRAY,
+                        gguf.GGUFValueType.UINT32)
+        w.add_key_length(head_dim_full)
+        w.add_value_length(head_dim_full)
+        w.add_uint32(f"{arch}.attention.key_length_swa", head_dim_swa)
+        w.add_uint32(f"{arch}.attention.value_length_swa", head_dim_swa)
+        w.add_rope_dimension_count(head_dim_full)
+        w.add_uint32(f"{arch}.rope.dimension_count_swa", head_dim_swa)
+        w.add_rope_freq_base(1e6)
+        w.add_float32(f"{arch}.rope.freq_base_swa", ROPE_BASE)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_sliding_window(sliding_window)
+        w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa_pattern), gguf.GGUFValueType.ARRAY,
+                        gguf.GGUFValueType.BOOL)
+        w.add_uint32(f"{arch}.attention.shared_kv_layers", n_shared_kv)
+        w.add_uint32(f"{arch}.embedding_length_per_layer_input", n_embd_per_layer)
+        w.add_float32(f"{arch}.final_logit_softcapping", softcap)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        _add_tokenizer(w, tok)
+        # the graph multiplies the embeddings by sqrt(n_embd): rows of norm ~1 give a unit-scale residual stream that
+        # the layers' normed branches can move (much larger embeddings would make a bigram model of it)
+        w.add_tensor("token_embd.weight", init.linear(n_vocab, n_embd))
+        w.add_tensor("per_layer_token_embd.weight", init.linear(n_vocab, n_embd_per_layer * n_layer))
+        w.add_tensor("per_layer_model_proj.weight", init.linear(n_embd_per_layer * n_layer, n_embd))
+        w.add_tensor("per_layer_proj_norm.weight", init.norm(n_embd_per_layer))
+        # full layers rotate their first n_rot_full / 2 pairs; a huge frequency factor stops the other pairs
+        n_pairs = head_dim_full // 2
+        w.add_tensor("rope_freqs.weight", np.array([1.0] * (n_rot_full // 2) + [1e30] * (n_pairs - n_rot_full // 2),
+                                                   dtype=np.float32))
+        for i, swa in enumerate(swa_pattern):
+            p = f"blk.{i}."
+            hd = head_dim_swa if swa else head_dim_full
+            w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "attn_q.weight", init.linear(n_head * hd, n_embd))
+            w.add_tensor(p + "attn_q_norm.weight", init.norm(hd))
+            if i < n_kv_layers:  # the shared layers have no K/V of their own
+                w.add_tensor(p + "attn_k.weight", init.linear(n_head_kv[i] * hd, n_embd))
+                if swa:  # full layers use their K as V (attention_k_eq_v)
+                    w.add_tensor(p + "attn_v.weight", init.linear(n_head_kv[i] * hd, n_embd))
+                w.add_tensor(p + "attn_k_norm.weight", init.norm(hd))
+            w.add_tensor(p + "attn_output.weight", init.linear(n_embd, n_head * hd))
+            w.add_tensor(p + "post_attention_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "ffn_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "ffn_gate.weight", init.linear(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", init.linear(n_ff, n_embd))
+            w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff))
+            w.add_tensor(p + "post_ffw_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "inp_gate.weight", init.linear(n_embd_per_layer, n_embd))
+            w.add_tensor(p + "proj.weight", init.linear(n_embd, n_embd_per_layer))
+            w.add_tensor(p + "post_norm.weight", init.norm(n_embd))
+            w.add_tensor(p + "layer_output_scale.weight", init.norm(1))
+        w.add_tensor("output_norm.weight", init.norm(n_embd))
+        head = init.linear(n_vocab, n_embd, gain=4.0)
+        # control tokens get logit 0, never the largest: generations run to max_tokens
         head[[tok["special"][t] for t in SPECIAL_TOKENS]] = 0.0
         w.add_tensor("output.weight", head)
 

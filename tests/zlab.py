@@ -2,7 +2,8 @@
 
 - write_checkpoint: random weights in z-lab's exact layout (config.json with DFlashDraftModel and dflash_config,
   BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory;
-  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them).
+  with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them); with a
+  zlab_gemma4_config, z-lab's Gemma-4 layout (sliding-window layers, the target's logit soft-cap).
 - Reference: the DFlash forward in float64 NumPy, written from the model's definition, not from the converter:
   ctx = hidden_norm(fc(features)); per layer, queries from the noise block only, keys/values from [ctx; noise]
   (ctx K/V from the ctx hidden itself, no input_layernorm, as llama.cpp's dflash graph does), per-head q/k RMS norm,
@@ -144,6 +145,22 @@ def zlab2_config(*, conv_kernel_size=2, conv_group_size=16, selector_rank=32, se
                    layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
     cfg["tie_word_embeddings"] = False
     cfg["transformers_version"] = "5.15.0"
+    return cfg
+
+
+def zlab_gemma4_config(*, sliding_window=2048, n_full=1, final_logit_softcapping=30.0, input_embedding_scale=None,
+                       **kw) -> dict:
+    """config.json of a z-lab Gemma-4 DFlash drafter (z-lab/gemma-4-31B-it-DFlash: a DFlashDraftModel of Qwen3
+    layers with sliding-window attention, window 2048, on all but the last `n_full` layers, the target's final
+    logit soft-cap of 30 and rope_theta 1e6). input_embedding_scale, when given, is written in dflash_config, where
+    upstream's converter reads it."""
+    cfg = zlab_config(**{"rope_theta": 1000000.0, **kw})
+    n = cfg["num_hidden_layers"]
+    cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=n,
+               layer_types=["sliding_attention"] * (n - n_full) + ["full_attention"] * n_full,
+               final_logit_softcapping=final_logit_softcapping)
+    if input_embedding_scale is not None:
+        cfg["dflash_config"]["input_embedding_scale"] = input_embedding_scale
     return cfg
 
 
