@@ -13,6 +13,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.bench import run_bench
+from dflash_local.placement import Placement
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,15 @@ def scripted_run(engine, prompt, max_tokens, seed=None):
     events = list(engine.generate(prompt, max_tokens=max_tokens, external_drafter=drafter))
     assert isinstance(events[-1], Finished)
     return base, events[-1], [e for e in events if isinstance(e, StepStats)]
+
+
+def test_a_ubatch_too_small_for_the_snapshots_is_refused(qwen35, qwen35_drafter):
+    """llama.cpp keeps a verify block's last n_rs_seq + 1 tokens in one ubatch and aborts the process when it
+    cannot: refused up front (8 tokens cannot hold 7 snapshots' 8 plus the one before them)."""
+    with pytest.raises(ValueError, match="ubatch must hold at least 9 tokens, not 8"):
+        Engine(qwen35, qwen35_drafter, n_ctx=256, placement=Placement(n_threads=1, n_batch=8, n_ubatch=8))
+    e = Engine(qwen35, qwen35_drafter, n_ctx=256, placement=Placement(n_threads=1, n_batch=8, n_ubatch=8), n_rs_seq=6)
+    assert e.complete("Hello", max_tokens=16).token_ids == e.complete("Hello", max_tokens=16, draft=False).token_ids
 
 
 def test_sessions_know_their_memory(hybrid, hybrid_ckpt, mamba):
