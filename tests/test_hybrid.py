@@ -202,11 +202,13 @@ def test_bench_reports_the_rollback_cost(hybrid_ckpt):
 def test_a_failed_call_empties_a_recurrent_session(qwen35, qwen35_drafter):
     """A drafter given three feature layers where it was made for two rejects them after the target decoded the
     prompt: the recurrent state has moved on and cannot be cut back, so both caches are emptied, and the session
-    then decodes as a fresh one."""
+    then decodes as a fresh one. (The features go to the drafter once a drafter batch of them is pending: batches of
+    9 here, the smallest that holds the 7 snapshots' tokens, and a longer prompt.)"""
     tgt, dft = _native.Model(str(qwen35)), _native.Model(str(qwen35_drafter), 0, True)
-    ids = tgt.tokenize("The quick brown fox jumps over", True, False)
+    ids = tgt.tokenize("The quick brown fox jumps over the lazy dog", True, False)
+    assert len(ids) > 9
     sp = _native.Sampling()
-    s = _native.Session(tgt, dft, [1, 2, 3], 128, 2, True, False)
+    s = _native.Session(tgt, dft, [1, 2, 3], 128, 2, True, False, n_batch=9, n_ubatch=9)
     with pytest.raises(_native.NativeError, match="rejected the target features"):
         s.prefill(ids, sp, 0)
     assert s.n_past == 0 and s.checkpoint_pos == -1
