@@ -1156,7 +1156,6 @@ static llama_token draw_tempered(const float * row, int n_vocab, float temperatu
 struct Draft {
     std::vector<llama_token> tokens;  // the proposed tokens
     std::vector<float>       probs;   // the drafter's probability of each (when asked for)
-    double inject_ms = 0.0;           // injecting the features deferred since the last draft, first
 };
 
 struct StepResult {
@@ -1340,9 +1339,7 @@ public:
             Draft d;
             q_tokens.clear();
             if (n_draft > 0) {
-                const auto t0 = std::chrono::steady_clock::now();
                 flush();
-                d.inject_ms = ms_since(t0);
                 draft_block(last, std::min(n_draft, block_size - 1), with_probs, sampler, index, d);
             }
             return d;
@@ -1871,10 +1868,10 @@ private:
     }
 
     // Keep the features of rows [0, n) of the last target decode, those of positions pos0.., for the drafter: they
-    // go into its cache in one batch when it next drafts (or when a batch of them is full). Injecting them at every
-    // token cost as much drafter work per token as a draft step saves on a plain one, and a policy that decodes
-    // plainly needs none of it until it drafts again. The drafter's cache then holds the same K/V as with
-    // injection at every token: a feature row's K/V depend on that row and its position only.
+    // go into its cache in one batch when it next drafts (or when a batch of them is full). Injected at every token,
+    // they cost a drafter call at every plain step of the adaptive policy, which needs none of them until it drafts
+    // again. The drafter's cache then holds the same K/V as with injection at every token: a feature row's K/V
+    // depend on that row and its position only.
     void defer(int pos0, int n) {
         if (pos0 != dft_past + n_pending) {
             // positions decoded without capture lie between: the drafter never sees them (as before deferral)
@@ -2235,8 +2232,7 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Draft>(m, "Draft")
         .def_readonly("tokens", &Draft::tokens)
-        .def_readonly("probs", &Draft::probs)
-        .def_readonly("inject_ms", &Draft::inject_ms);
+        .def_readonly("probs", &Draft::probs);
 
     py::class_<StepResult>(m, "StepResult")
         .def_readonly("tokens", &StepResult::tokens)
