@@ -44,7 +44,8 @@ class FunctionDrafter(Drafter):
 
 class NativeDrafter(Drafter):
     """The llama.cpp drafter of the native session. The session feeds it the target's features itself whenever
-    feature capture is on, so its context is kept with the session's caches (prompt_cache.py), not here."""
+    feature capture is on (kept until the next draft, then injected in one batch), so its context is kept with the
+    session's caches (prompt_cache.py), not here."""
 
     def __init__(self, session):
         self.session = session

@@ -1162,7 +1162,7 @@ struct StepResult {
     std::vector<llama_token> tokens;       // accepted draft tokens followed by the target's own token
     std::vector<llama_token> draft;        // the proposal verified (cut where the context or the batch ends)
     int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
-    double draft_ms   = 0.0;               // drafter compute: feature injection
+    double draft_ms   = 0.0;               // drafter compute: feature injection (0: deferred to the next draft)
     double verify_ms  = 0.0;               // target compute: the verify batch
     double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
     double rollback_ms = 0.0;              // dropping the rejected drafts from the target (checkpoint and replay too)
@@ -1256,6 +1256,7 @@ public:
     }
     bool is_recurrent() const { return recurrent; }
     int snapshots() const { return n_rs; }
+    int pending_rows() const { return n_pending; }
     int checkpoint_pos() const { return prompt_ckpt_pos; }
 
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
@@ -1296,7 +1297,7 @@ public:
                 const bool last_chunk = off + n == tokens.size();
                 decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
                 if (ctx_dft && capture) {
-                    inject(past, (int) n);
+                    defer(past, (int) n);
                 }
                 past += (int) n;
             }
@@ -1339,6 +1340,7 @@ public:
             Draft d;
             q_tokens.clear();
             if (n_draft > 0) {
+                flush();
                 draft_block(last, std::min(n_draft, block_size - 1), with_probs, sampler, index, d);
             }
             return d;
@@ -1536,6 +1538,11 @@ private:
 
     std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
     int feat_rows = 0;
+    // Deferred injection (defer): the drafter's cache holds the features of positions [0, dft_past), `pending` those
+    // of [dft_past, dft_past + n_pending), at most one drafter batch.
+    std::vector<float> pending;
+    int n_pending = 0;
+    int dft_past = 0;
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
     std::vector<float> cb_rows;   // eval-callback path: one layer's rows on their way from the backend
     std::vector<std::pair<float, llama_token>> cand;
@@ -1637,6 +1644,13 @@ private:
         n_ctx = (int) llama_n_ctx(ctx_tgt);
         n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
         n_rs = (int) llama_n_rs_seq(ctx_tgt);
+        // llama.cpp keeps a decode's last n_rs + 1 tokens in one ubatch for its snapshots, and aborts the process
+        // when a ubatch cannot hold them
+        if (n_rs > 0 && (int) llama_n_ubatch(ctx_tgt) < n_rs + 2) {
+            throw std::invalid_argument("with " + std::to_string(n_rs) + " recurrent-state snapshots (n_rs_seq) the "
+                                        "ubatch must hold at least " + std::to_string(n_rs + 2) + " tokens, not " +
+                                        std::to_string(llama_n_ubatch(ctx_tgt)));
+        }
         batch_tgt = new_batch(ctx_tgt);
         if (layer_api) {
             for (int lid : layers) {
@@ -1735,6 +1749,9 @@ private:
             }
             past = 0;
         }
+        // deferred features of dropped positions go with them
+        dft_past = std::min(dft_past, past);
+        n_pending = std::clamp(past - dft_past, 0, n_pending);
         if (prompt_ckpt_pos > past) {
             prompt_ckpt_pos = -1;
             prompt_ckpt.clear();
@@ -1848,7 +1865,7 @@ private:
         }
         if (ctx_dft && capture) {
             const auto t2 = std::chrono::steady_clock::now();
-            inject(p0, a + 1);
+            defer(p0, a + 1);
             r.draft_ms += ms_since(t2);
         }
         past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
@@ -1945,14 +1962,49 @@ private:
         process(ctx_tgt, batch_tgt, "target replay");
     }
 
-    // Write the features of rows [0, n) of the last target decode into the drafter's cache at positions pos0...
-    void inject(int pos0, int n) {
+    // Keep the features of rows [0, n) of the last target decode, those of positions pos0.., for the drafter: they
+    // go into its cache in one batch when it next drafts (or when a batch of them is full). Injected at every token,
+    // they cost a drafter call at every plain step of the adaptive policy, which needs none of them until it drafts
+    // again. The drafter's cache then holds the same K/V as with injection at every token: a feature row's K/V
+    // depend on that row and its position only.
+    void defer(int pos0, int n) {
+        if (pos0 != dft_past + n_pending) {
+            // positions decoded without capture lie between: the drafter never sees them (as before deferral)
+            flush();
+            dft_past = pos0;
+        }
+        const size_t width = layers.size() * (size_t) n_embd;
+        const int cap = (int) llama_n_batch(ctx_dft);
+        for (int i = 0; i < n;) {
+            const int take = std::min(n - i, cap - n_pending);
+            pending.resize((size_t) (n_pending + take) * width);
+            std::memcpy(&pending[(size_t) n_pending * width], &feats[(size_t) i * width], take * width * sizeof(float));
+            n_pending += take;
+            i += take;
+            if (n_pending == cap) {
+                flush();
+            }
+        }
+    }
+
+    // Inject the deferred features into the drafter's cache, in one batch.
+    void flush() {
+        if (n_pending == 0) {
+            return;
+        }
+        inject(dft_past, pending.data(), n_pending);
+        dft_past += n_pending;
+        n_pending = 0;
+    }
+
+    // Write n rows of target features into the drafter's cache at positions pos0...
+    void inject(int pos0, const float * rows, int n) {
         // the previous noise block left its own K/V from pos0 on
         drop_from(ctx_dft, pos0, "drafter");
         const size_t width = layers.size() * (size_t) n_embd;
         llama_batch_ext_clear(batch_dft);
         for (int i = 0; i < n; ++i) {
-            const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&feats[i * width], 1, width});
+            const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&rows[i * width], 1, width});
             if (idx < 0) {
                 fail("the drafter rejected the target features (width " + std::to_string(width) + ", code " +
                      std::to_string(idx) + ")");
@@ -2319,6 +2371,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("recurrent", &Session::is_recurrent)
         .def_property_readonly("n_rs_seq", &Session::snapshots)
         .def_property_readonly("checkpoint_pos", &Session::checkpoint_pos)
+        .def_property_readonly("n_pending", &Session::pending_rows)
         .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())

@@ -13,6 +13,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.bench import run_bench
+from dflash_local.placement import Placement
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,15 @@ def scripted_run(engine, prompt, max_tokens, seed=None):
     events = list(engine.generate(prompt, max_tokens=max_tokens, external_drafter=drafter))
     assert isinstance(events[-1], Finished)
     return base, events[-1], [e for e in events if isinstance(e, StepStats)]
+
+
+def test_a_ubatch_too_small_for_the_snapshots_is_refused(qwen35, qwen35_drafter):
+    """llama.cpp keeps a verify block's last n_rs_seq + 1 tokens in one ubatch and aborts the process when it
+    cannot: refused up front (8 tokens cannot hold 7 snapshots' 8 plus the one before them)."""
+    with pytest.raises(ValueError, match="ubatch must hold at least 9 tokens, not 8"):
+        Engine(qwen35, qwen35_drafter, n_ctx=256, placement=Placement(n_threads=1, n_batch=8, n_ubatch=8))
+    e = Engine(qwen35, qwen35_drafter, n_ctx=256, placement=Placement(n_threads=1, n_batch=8, n_ubatch=8), n_rs_seq=6)
+    assert e.complete("Hello", max_tokens=16).token_ids == e.complete("Hello", max_tokens=16, draft=False).token_ids
 
 
 def test_sessions_know_their_memory(hybrid, hybrid_ckpt, mamba):
@@ -192,11 +202,13 @@ def test_bench_reports_the_rollback_cost(hybrid_ckpt):
 def test_a_failed_call_empties_a_recurrent_session(qwen35, qwen35_drafter):
     """A drafter given three feature layers where it was made for two rejects them after the target decoded the
     prompt: the recurrent state has moved on and cannot be cut back, so both caches are emptied, and the session
-    then decodes as a fresh one."""
+    then decodes as a fresh one. (The features go to the drafter once a drafter batch of them is pending: batches of
+    9 here, the smallest that holds the 7 snapshots' tokens, and a longer prompt.)"""
     tgt, dft = _native.Model(str(qwen35)), _native.Model(str(qwen35_drafter), 0, True)
-    ids = tgt.tokenize("The quick brown fox jumps over", True, False)
+    ids = tgt.tokenize("The quick brown fox jumps over the lazy dog", True, False)
+    assert len(ids) > 9
     sp = _native.Sampling()
-    s = _native.Session(tgt, dft, [1, 2, 3], 128, 2, True, False)
+    s = _native.Session(tgt, dft, [1, 2, 3], 128, 2, True, False, n_batch=9, n_ubatch=9)
     with pytest.raises(_native.NativeError, match="rejected the target features"):
         s.prefill(ids, sp, 0)
     assert s.n_past == 0 and s.checkpoint_pos == -1

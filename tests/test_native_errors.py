@@ -13,8 +13,8 @@ from dflash_local import Engine, _native
 GREEDY = _native.Sampling()
 
 
-def _session(model, drafter=None, layers=(), n_ctx=128, capture=True):
-    s = _native.Session(model, drafter, list(layers), n_ctx, 2, True, False)
+def _session(model, drafter=None, layers=(), n_ctx=128, capture=True, n_batch=512):
+    s = _native.Session(model, drafter, list(layers), n_ctx, 2, True, False, n_batch=n_batch, n_ubatch=n_batch)
     s.set_capture(capture)
     return s
 
@@ -68,9 +68,11 @@ def test_engine_survives_a_drafter_proposing_bad_ids(tiny_engine):
 
 def test_llama_cpp_failure_mid_prefill_rolls_the_target_back(models, prompt):
     """A drafter given three feature layers where it was trained on two rejects the features after the target
-    decoded the chunk: a real llama.cpp error, raised with its log, and the target's cache is rolled back."""
+    decoded the chunk: a real llama.cpp error, raised with its log, and the target's cache is rolled back. (The
+    features go to the drafter once a drafter batch of them is pending: batches of 8 here, the prompt longer.)"""
     tgt, dft = models
-    s = _session(tgt, dft, [1, 2, 3])
+    s = _session(tgt, dft, [1, 2, 3], n_batch=8)
+    assert len(prompt) > 8
     with pytest.raises(_native.NativeError, match=r"rejected the target features.*embedding size mismatch"):
         s.prefill(prompt, GREEDY, 0)
     assert isinstance(_native.NativeError("x"), RuntimeError)
@@ -80,26 +82,36 @@ def test_llama_cpp_failure_mid_prefill_rolls_the_target_back(models, prompt):
         s.logits(0)
     # a target cache still holding the failed prefill would hold every position twice and change the logits
     s.set_capture(False)
-    ref = _session(tgt)
+    ref = _session(tgt, n_batch=8)
     assert s.prefill(prompt, GREEDY, 0) == ref.prefill(prompt, GREEDY, 0)
     np.testing.assert_array_equal(s.logits(-1), ref.logits(-1))
 
 
 def test_llama_cpp_failure_mid_step_rolls_both_caches_back(models, prompt):
     tgt, dft = models
-    s, ref = _session(tgt, dft, [1, 2, 3], capture=False), _session(tgt)
+    s, ref = _session(tgt, dft, [1, 2, 3], capture=False, n_batch=8), _session(tgt, n_batch=8)
     last = s.prefill(prompt, GREEDY, 0)
     assert ref.prefill(prompt, GREEDY, 0) == last
-    plain = _session(tgt)
-    plain.prefill(prompt, GREEDY, 0)
-    draft = [plain.step(last, [], GREEDY, 1).tokens[0], 0, 0]  # its first token is right
-    # the verify batch succeeds and accepts a draft token, then the feature injection fails
+    # six plain steps with capture on: their features wait for the drafter's next batch (of 8)
     s.set_capture(True)
+    for i in range(6):
+        r, rr = s.step(last, [], GREEDY, 1 + i), ref.step(last, [], GREEDY, 1 + i)
+        assert r.tokens == rr.tokens
+        last = r.tokens[0]
+    assert s.n_pending == 6
+    n_past = s.n_past
+    # a failed flush before a draft changes nothing
     with pytest.raises(_native.NativeError, match="rejected the target features"):
-        s.step(last, draft, GREEDY, 1)
-    assert s.n_past == len(prompt)
+        s.draft(last, 3)
+    assert (s.n_past, s.n_pending) == (n_past, 6)
+    # the verify batch succeeds and accepts a draft token, which fills the drafter's batch, then the injection fails
+    draft = [ref.step(last, [], GREEDY, 7).tokens[0], 0, 0]  # its first token is right
+    ref.truncate(n_past)
+    with pytest.raises(_native.NativeError, match="rejected the target features"):
+        s.step(last, draft, GREEDY, 7)
+    assert (s.n_past, s.n_pending) == (n_past, 6)
     s.set_capture(False)
-    r, rr = s.step(last, draft, GREEDY, 1), ref.step(last, draft, GREEDY, 1)
+    r, rr = s.step(last, draft, GREEDY, 7), ref.step(last, draft, GREEDY, 7)
     assert r.n_accepted >= 1
     assert r.tokens == rr.tokens and s.n_past == ref.n_past
     np.testing.assert_array_equal(s.logits(0), ref.logits(0))
