@@ -18,7 +18,8 @@ import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_qwen35, write_tiny_target
 from scripted import ScriptedDrafter
-from zlab import dspark_config, write_checkpoint
+from test_policy import SteadyCosts
+from zlab import dspark_config, write_checkpoint, zlab2_config
 
 from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.convert.errors import ConvertError
@@ -315,3 +316,42 @@ def test_gemma_dspark_converts_with_the_cli_and_drafts_losslessly(work, gemma_ta
             assert len(tokens) == len(ratings) == 4 and all(0 < c < 1 for c in ratings)
             kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
             assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+
+
+# -- the adaptive policy's cut by the drafter's confidence ------------------------------------------------------------
+
+
+class AlwaysDrafting(SteadyCosts):
+    """The policy with steady costs that always drafts a full block, not as a probe: every drafted block goes
+    through the cut by the drafter's ratings (here: random-weight drafters, whose drafts the target rejects)."""
+
+    def choose(self):
+        self.probing = False
+        return self.max_draft
+
+
+@pytest.mark.parametrize("variant", ["DSpark", "DFlash2"])
+def test_real_drafters_ratings_cut_their_blocks_losslessly(work, converted, target, variant):
+    info = read_gguf(target)
+    if variant == "DSpark":
+        path = converted("deepspec", "f32")
+    else:
+        cfg = zlab2_config(hidden=64, n_layer=1, n_head=4, n_kv=2, head_dim=32, n_ff=96, target_layer_ids=LAYER_IDS,
+                           num_target_layers=4, vocab_size=info.n_vocab,
+                           mask_token_id=info.kv["tokenizer.ggml.mask_token_id"], block_size=BLOCK, selector_rank=16,
+                           selector_top_k=6)
+        path = convert_drafter(write_checkpoint(work / "policy-DFlash2", cfg), target, work / "out/policy-d2.gguf",
+                               "f32").path
+    e = Engine(target, path, n_ctx=1024, n_threads=1, draft_policy="auto")
+    e._policy = AlwaysDrafting(e.max_draft)
+    steps = []
+    for p in make_prompts(4, seed=13):
+        base = e.complete(p, max_tokens=30, draft=False)
+        events = list(e.generate(p, max_tokens=30))
+        assert events[-1].token_ids == base.token_ids, p
+        steps += [ev for ev in events if isinstance(ev, StepStats)]
+    rated = sum(e._policy.rated_tried)
+    assert rated > 5  # the ratings of the verified drafts reached the calibration
+    # once it has seen these ratings rejected, the policy stops verifying drafts rated like them
+    late = steps[len(steps) // 2:]
+    assert sum(s.n_drafted for s in late) < 0.25 * e.max_draft * len(late), [s.n_drafted for s in late]

@@ -16,7 +16,7 @@ def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float]
     return p
 
 
-CPU = {k: 7.5 + 6.5 * k for k in range(1, 9)}  # verify cost growing like gemma-3-270m's on 2 cores
+CPU = {k: 7.5 + 6.5 * k for k in range(1, 10)}  # verify cost growing like gemma-3-270m's on 2 cores
 GPU = {k: 10.0 + 0.2 * k for k in range(1, 9)}  # nearly flat
 DRAFT = {k: 2.0 for k in range(1, 8)}
 
@@ -135,7 +135,7 @@ def test_ratings_are_calibrated_by_what_is_accepted():
     assert p.calibrated(0.95) > 0.9  # nothing seen yet: the drafter's word
     for _ in range(20):  # an overconfident drafter: its 0.95s are always rejected
         p.update(3, 0, CPU[4], 2.0, ratings=[0.95, 0.95, 0.95])
-    assert p.calibrated(0.95) < 0.1 and p.calibrated(0.5) == 0.5
+    assert p.calibrated(0.95) < 0.2 and p.calibrated(0.5) == 0.5  # (the decayed counts hold about 10 steps)
     p.choose()
     assert p.cut([0.95] * 5, 2.0) == 0
 
