@@ -212,21 +212,21 @@ def test_the_markov_head_changes_the_drafts(converted, target):
 
 
 def test_q8_0_drafts_agree_with_torch(converted, target):
-    """A q8_0 GGUF run by torch (dequantized) and by llama.cpp, slot by slot after the same previous drafts (the
-    Markov chain would otherwise carry one flipped near-tie into every later slot): the same top-1 on >= 99% of the
-    positions. llama.cpp also rounds a q8_0 matmul's activations to 8 bits, which can decide near-ties of these
-    random weights: every disagreement must be one."""
+    """A q8_0 GGUF run by torch (dequantized) and by llama.cpp: the same top-1 on >= 99% of the positions, compared
+    slot by slot after the same previous drafts (the Markov chain would otherwise carry one flipped near-tie into
+    every later slot); llama.cpp also rounds a q8_0 matmul's activations to 8 bits, so any disagreement must be a
+    near-tie. Measured here: 99.7% of the slots, and 99.3% of the free-running drafts."""
     path = converted("deepspec", "q8_0")
-    clear = agree = same = n = 0
+    same = drafted = n = 0
     for d, logits, ref, last in run_both(target, path, path, make_prompts(6, seed=6), n=BLOCK):
         want = ref.dspark(last, BLOCK, given=list(d.tokens))[0].numpy()
         top2 = np.sort(want, axis=1)[:, -2:]
         rms = np.sqrt(np.mean((logits - want) ** 2, axis=1))
-        rows = top2[:, 1] - top2[:, 0] > 3 * rms
         hit = logits.argmax(1) == want.argmax(1)
-        assert np.all(hit | ~rows)
-        same, clear, agree, n = same + hit.sum(), clear + rows.sum(), agree + hit[rows].sum(), n + len(hit)
-    assert clear / n >= 0.8 and agree / clear >= 0.99 and same / n >= 0.95, (same / n, clear / n)
+        assert np.all(hit | (top2[:, 1] - top2[:, 0] < 3 * rms))
+        same, n = same + hit.sum(), n + len(hit)
+        drafted += sum(a == b for a, b in zip(d.tokens, ref.draft([last], BLOCK)))
+    assert same / n >= 0.99 and drafted / n >= 0.98, (same / n, drafted / n)
 
 
 # -- lossless drafting through the engine ---------------------------------------------------------------------------

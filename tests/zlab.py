@@ -253,8 +253,12 @@ def write_checkpoint(path, cfg: dict, *, n_shards: int = 2, dtype: str = "BF16",
                 return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.3 / np.sqrt(shape[1]))
             if "codebook" in name:  # pairwise selector scores of about unit size
                 return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.25)
-            if name.endswith("markov_w1.weight"):  # unit embeddings: a Markov bias of about one logit
+            if name.endswith("markov_w1.weight"):  # unit embeddings: a Markov bias of about one logit...
                 return rng.standard_normal(shape, dtype=np.float32)
+            if name.endswith("markov_w2.weight"):  # ...and four for every 16th token: peaked, as trained heads are
+                w = rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / np.sqrt(shape[1]))
+                w[::16] *= 4
+                return w
             gain = residual_gain if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain / np.sqrt(shape[1]))
         return make
