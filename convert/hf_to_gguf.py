@@ -1,4 +1,4 @@
-"""`dflash-local convert`: a z-lab DFlash or DFlash2 drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's
+"""`dflash-local convert`: a DFlash, DFlash2 or DSpark drafter (Hugging Face safetensors) -> a GGUF in llama.cpp's
 `dflash` layout.
 
 Only the target GGUF is needed besides the checkpoint: its tokenizer is copied into the drafter (llama.cpp requires
@@ -119,6 +119,9 @@ def _add_metadata(w: gguf.GGUFWriter, c: DrafterConfig, target: GGUFInfo, name: 
     if c.selector_top_k:  # DFlash2: the selector_hidden tensor switches it on, these keys size it
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             w.add_uint32(f"dflash.{key}", getattr(c, key))
+    if c.dspark:  # the markov_w1 tensor switches DSpark on; these say where its drafts start and if it has a cut
+        w.add_bool("dflash.sample_from_anchor", c.sample_from_anchor)
+        w.add_bool("dflash.has_confidence_head", c.has_confidence_head)
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
         w.add_key_value("dflash.attention.sliding_window_pattern", c.swa_layers, gguf.GGUFValueType.ARRAY,
@@ -183,7 +186,7 @@ def convert_drafter(
     progress: bool = False,
     verbose: bool = False,
 ) -> ConvertResult:
-    """Convert a z-lab DFlash or DFlash2 drafter (directory or Hub id) for `target` into a dflash GGUF at `output`."""
+    """Convert a DFlash, DFlash2 or DSpark drafter (directory or Hub id) for `target` into a dflash GGUF at `output`."""
     t0 = time.perf_counter()
     if outtype not in OUTTYPES:
         raise ConvertError(f"unknown output type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
@@ -272,7 +275,7 @@ def _convert_by_llama(tmp, tensors, ot, c, tgt, name, tok_kv, threads, progress,
 
 
 def add_convert_args(p) -> None:
-    p.add_argument("source", help="z-lab DFlash or DFlash2 drafter: a directory (config.json + safetensors) or a "
+    p.add_argument("source", help="DFlash, DFlash2 or DSpark drafter: a directory (config.json + safetensors) or a "
                                   "Hub id (org/name)")
     p.add_argument("-m", "--target", required=True, help="the target model's GGUF (tokenizer and shapes come from it)")
     p.add_argument("-o", "--output", help="GGUF to write (default: <name>-<outtype>.gguf in the current directory)")

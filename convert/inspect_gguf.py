@@ -1,7 +1,8 @@
 """`dflash-local inspect FILE.gguf`: metadata, tensors and their types, read with the fast header reader.
 
-Big arrays (a 262k-token vocabulary) are summarised, not printed. For a DFlash drafter its variant (DFlash or
-DFlash2) and the settings the engine uses (feature layers, block size, mask token, DFlash2's selector) come first.
+Big arrays (a 262k-token vocabulary) are summarised, not printed. For a DFlash drafter its variant (DFlash,
+DFlash2 or DSpark) and the settings the engine uses (feature layers, block size, mask token, DFlash2's selector,
+DSpark's heads) come first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import Counter
 from gguf import LlamaFileType
 
 from dflash_local.gguf_file import ArrayInfo, GGUFInfo, read_gguf
+from dflash_local.validate import drafter_variant
 
 _VTYPES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "str", 10: "u64",
            11: "i64", 12: "f64"}
@@ -75,9 +77,9 @@ def summary(info: GGUFInfo) -> dict:
     }
     if info.arch == "dflash":
         layers = info.get("target_layers")
-        dflash2 = "selector_hidden.weight" in info.tensors  # what switches llama.cpp's dflash graph to DFlash2
+        variant = drafter_variant(info)
         out["dflash"] = {
-            "variant": "DFlash2" if dflash2 else "DFlash",
+            "variant": variant,
             "target_layers": layers.values if isinstance(layers, ArrayInfo) else None,
             "block_size": info.get("block_size"),
             "mask_token_id": info.kv.get("tokenizer.ggml.mask_token_id"),
@@ -86,9 +88,13 @@ def summary(info: GGUFInfo) -> dict:
             "draft_vocab": info.tensors["d2t"].shape[0] if "d2t" in info.tensors else None,
             "own_lm_head": "output.weight" in info.tensors,
         }
-        if dflash2:
+        if variant == "DFlash2":
             out["dflash"].update({k: info.get(k) for k in ("selector_top_k", "selector_rank", "conv_kernel_size",
                                                           "conv_group_size")})
+        if variant == "DSpark":
+            out["dflash"].update(markov_rank=info.tensors["markov_w1.weight"].shape[0],
+                                 confidence_head="conf_proj.weight" in info.tensors,
+                                 sample_from_anchor=info.get("sample_from_anchor", True))
     return out
 
 
@@ -106,6 +112,10 @@ def format_text(s: dict, full: bool = False) -> str:
         if d["variant"] == "DFlash2":
             dflash2 = (f", selector top-{d['selector_top_k']} of rank {d['selector_rank']}, conv kernel "
                        f"{d['conv_kernel_size']} in groups of {d['conv_group_size']}")
+        if d["variant"] == "DSpark":
+            dflash2 = (f", Markov head of rank {d['markov_rank']}, "
+                       f"{'a' if d['confidence_head'] else 'no'} confidence head, "
+                       f"{'anchor-first blocks' if d['sample_from_anchor'] else 'a bonus anchor slot'}")
         lines.append(
             f"{d['variant']} drafter: {d['n_layer']} layers, hidden {d['hidden']}, "
             f"target layers (inputs) {d['target_layers']}, block size {d['block_size']}, "

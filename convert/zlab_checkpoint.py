@@ -9,6 +9,14 @@ DFlash2 (`DFlash2DraftModel`) adds to dflash_config conv_kernel_size, conv_group
 selector_top_k, and to the weights a grouped dynamic convolution around each layer's attention and MLP
 (layers.N.{attention_conv,mlp_conv}.{base_kernel, kernel_projection.weight}) and a candidate selector
 (candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}).
+
+DSpark (`DSparkDraftModel` and the other names upstream's converter registers) is DFlash plus a Markov head
+(markov_head.markov_w1 [vocab, rank], an embedding of the previous block token, and markov_head.markov_w2
+[draft vocab, rank], its projection to a logit bias) and an optional confidence head (confidence_head.proj, a
+[1, hidden + rank] linear with bias over the final hidden state and the Markov embedding). Its config comes in two
+schemas, normalized here as upstream's converter does: DeepSpec's (Qwen3 fields, target_layer_ids and
+mask_token_id at the top level or in dflash_config; anchor-first blocks) and the speculators/SpecForge one
+(transformer_layer_config nested, 1-based aux_hidden_state_layer_ids; a bonus anchor slot before the drafts).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from dflash_local.atomic import atomic_output
 from .errors import ConvertError
 from .safetensors_file import SafeTensor, read_header
 
-SUPPORTED_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
+DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel")
+SUPPORTED_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel") + DSPARK_ARCHS
 
 # z-lab name (after "layers.N.") -> GGUF name (after "blk.N."), as upstream llama.cpp's dflash architecture loads them
 _LAYER_NAMES = {
@@ -57,6 +66,11 @@ _GLOBAL_NAMES = {
     "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
     "candidate_selector.successor_codebook": "selector_successor.weight",
     "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+    # DSpark's Markov and confidence heads
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
 }
 _SKIPPED = ("t2d",)  # the inverse map, unused at runtime (upstream drops it too)
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -94,10 +108,15 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # DSpark only
+    dspark: bool = False
+    markov_rank: int | None = None  # from config.json when it says, else from markov_w1's shape
+    sample_from_anchor: bool = True  # the first block slot drafts (False: a bonus anchor slot, as DFlash's)
+    has_confidence_head: bool = False
 
     @property
     def variant(self) -> str:
-        return "DFlash2" if self.selector_top_k else "DFlash"
+        return "DFlash2" if self.selector_top_k else "DSpark" if self.dspark else "DFlash"
 
 
 @dataclass
@@ -150,6 +169,9 @@ def read_config(path: Path) -> DrafterConfig:
             f"{cfg_path}: unknown architecture {archs or '(none)'}; the converter reads z-lab DFlash drafters "
             f"({', '.join(SUPPORTED_ARCHS)})"
         )
+    dspark = any(a in DSPARK_ARCHS for a in archs)
+    if dspark:
+        cfg = _dspark_config(cfg, cfg_path)
     dc = cfg.get("dflash_config")
     if not isinstance(dc, dict):
         raise ConvertError(
@@ -213,8 +235,34 @@ def read_config(path: Path) -> DrafterConfig:
         logit_softcap=dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")),
         value_scale=dc.get("attention_value_scale"),
         name=str(cfg.get("_name_or_path") or path.name),
+        dspark=dspark,
+        markov_rank=cfg.get("markov_rank") if dspark else None,
+        sample_from_anchor=bool(cfg.get("sample_from_anchor", True)) if dspark else True,
         **dflash2,
     )
+
+
+def _dspark_config(cfg: dict, cfg_path: Path) -> dict:
+    """A DSpark config in DFlash's shape, normalized as upstream's converter does: EAGLE3-style exports (a nested
+    transformer_layer_config, 1-based aux_hidden_state_layer_ids) draft after a bonus anchor slot unless they say
+    sample_from_anchor; the others draft from the anchor slot on, with their layer ids and mask token in
+    dflash_config or at the top level."""
+    eagle = "transformer_layer_config" in cfg or "aux_hidden_state_layer_ids" in cfg
+    out = {**cfg, "sample_from_anchor": cfg.get("sample_from_anchor", not eagle)}
+    if isinstance(cfg.get("transformer_layer_config"), dict):
+        out.update(cfg["transformer_layer_config"])
+    if "dflash_config" not in out:
+        if "aux_hidden_state_layer_ids" in out:
+            aux = out["aux_hidden_state_layer_ids"]
+            if not isinstance(aux, list) or not all(isinstance(i, int) for i in aux):
+                raise ConvertError(f"{cfg_path}: aux_hidden_state_layer_ids must be a list of layer numbers")
+            out["dflash_config"] = {"mask_token_id": out.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]}
+        else:
+            out["dflash_config"] = {k: out[k] for k in ("target_layer_ids", "mask_token_id") if k in out}
+    if out.get("markov_head_type", "vanilla") != "vanilla":
+        raise ConvertError(f"{cfg_path}: markov_head_type {out['markov_head_type']!r} is not supported (llama.cpp "
+                           f"runs the 'vanilla' Markov head only)")
+    return out
 
 
 def _dflash2_fields(dc: dict, hidden: int, vocab_size, cfg_path: Path) -> dict:
@@ -298,6 +346,9 @@ def _expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
             proj = (2 * c.conv_kernel_size * (h // c.conv_group_size), h)
             out.update({p + "attn_conv_base": conv, p + "attn_conv_proj.weight": proj,
                         p + "ffn_conv_base": conv, p + "ffn_conv_proj.weight": proj})
+    if c.dspark:
+        r, n_draft = c.markov_rank, c.draft_vocab_size or c.vocab_size
+        out.update({"markov_w1.weight": (c.vocab_size, r), "markov_w2.weight": (n_draft, r)})
     if c.selector_top_k:
         out.update({
             "selector_predecessor.weight": (c.vocab_size, c.selector_rank),
@@ -318,7 +369,7 @@ def gguf_name(name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise ConvertError(
-        f"unexpected tensor '{name}': not part of a DFlash or DFlash2 drafter (DSpark and other variants are not "
+        f"unexpected tensor '{name}': not part of a DFlash, DFlash2 or DSpark drafter (other variants are not "
         f"supported)"
     )
 
@@ -330,6 +381,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise ConvertError(f"{path}: no such directory")
     c = read_config(path)
     found = find_tensors(path)
+    if c.dspark:
+        _check_dspark(c, found, path)
     expected = _expected_shapes(c)
     planned: dict[str, PlannedTensor] = {}
     for hf_name, t in found.items():
@@ -342,6 +395,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 f"unexpected tensor '{hf_name}': a DFlash2 tensor, but config.json says {c.variant} "
                 f"(architectures: DFlash2DraftModel, with its conv and selector settings)"
             )
+        if name.startswith(("markov_", "conf_proj")) and not c.dspark:
+            raise ConvertError(f"unexpected tensor '{hf_name}': a DSpark tensor, but config.json says {c.variant} "
+                               f"(architectures: DSparkDraftModel)")
+        if c.dspark and name == "output.weight" and not (c.draft_vocab_size or c.vocab_size) < (c.vocab_size or 0):
+            continue  # a full-vocabulary DSpark drafter uses the target's LM head (upstream drops its copy too)
         if name in expected and shape != expected[name]:
             raise ConvertError(
                 f"{t.path.name}: tensor {hf_name} has shape {list(shape)}, config.json implies {list(expected[name])}"
@@ -355,8 +413,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConvertError(f"{path}: missing tensors {', '.join(missing[:3])}{more}")
     _check_draft_vocab(c, planned, path)
-    order = list(expected) + [n for n in ("token_embd.weight", "output.weight", "d2t") if n in planned]
+    extra = ("token_embd.weight", "output.weight", "d2t", "conf_proj.weight", "conf_proj.bias")
+    order = list(expected) + [n for n in extra if n in planned]
     return Checkpoint(path, c, [planned[n] for n in order])
+
+
+def _check_dspark(c: DrafterConfig, found: dict[str, SafeTensor], path: Path) -> None:
+    """The Markov rank (from the heads when config.json does not say it), and a confidence head llama.cpp can run:
+    it reads [final hidden ; Markov embedding of the previous token], so the head must be [1, hidden + rank]."""
+    found = {n.removeprefix("model."): t for n, t in found.items()}
+    w1 = found.get("markov_head.markov_w1.weight")
+    if w1 is None or len(w1.shape) != 2:
+        raise ConvertError(f"{path}: a DSpark drafter needs markov_head.markov_w1.weight [vocab, rank]")
+    if not c.vocab_size:
+        raise ConvertError(f"{path}: a DSpark drafter needs vocab_size (its Markov head has a row per token)")
+    rank = int(w1.shape[1])
+    if c.markov_rank is not None and c.markov_rank != rank:
+        raise ConvertError(f"{w1.path.name}: markov_w1 has rank {rank}, config.json says markov_rank {c.markov_rank}")
+    c.markov_rank = rank
+    c.has_confidence_head = "confidence_head.proj.weight" in found
+    conf = found.get("confidence_head.proj.weight")
+    if conf is not None and tuple(conf.shape) != (1, c.hidden + rank):
+        raise ConvertError(
+            f"{conf.path.name}: confidence_head.proj.weight has shape {list(conf.shape)}; llama.cpp's DSpark graph "
+            f"reads [hidden ; Markov embedding], i.e. [1, {c.hidden + rank}] (confidence_head_with_markov)"
+        )
+    bias = found.get("confidence_head.proj.bias")
+    if bias is not None and (conf is None or tuple(bias.shape) != (1,)):
+        raise ConvertError(f"{path}: confidence_head.proj.bias must be [1] beside confidence_head.proj.weight")
 
 
 def _is_dflash2_name(name: str) -> bool:

@@ -46,7 +46,7 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
     drafting = engine.has_drafter
     params = {"n_predict": n_predict, "max_tokens": n_predict, **defaults, "stop": [], "stream": False,
               "speculative.types": "dflash" if drafting else "none",
-              "speculative.n_max": engine.block_size - 1 if drafting else 0}
+              "speculative.n_max": engine.max_draft if drafting else 0}
     info = model_meta(engine)
     return {
         "default_generation_settings": {"n_ctx": engine.n_ctx, "params": params},

@@ -123,7 +123,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
 
-    block = engine.block_size
+    block = engine.max_draft + 1  # tokens a full block verifies
     curve = verify_cost_curve(engine, block)
     sums = [r.pop("_summary") for r in rows]
     steps = sum(s.steps for s in sums)
@@ -153,7 +153,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         "rollbacks": n_rollbacks,
         "ideal_speedup": tau * curve[1] / (curve[block] + draft_ms) if block in curve else 0.0,
         "lossless": all(r["lossless"] for r in rows),
-        "block_size": block,
+        "block_size": engine.block_size,
         "prompts": len(rows),
         "max_tokens": max_tokens,
         "model": engine.model_info(),

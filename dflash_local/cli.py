@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .pull import add_pull_args, run_pull
 
-    c = sub.add_parser("convert", help="convert a z-lab DFlash or DFlash2 drafter (folder or Hub id) to GGUF for a "
+    c = sub.add_parser("convert", help="convert a DFlash, DFlash2 or DSpark drafter (folder or Hub id) to GGUF for a "
                                        "target GGUF")
     add_convert_args(c)
     c.set_defaults(func=run_convert)

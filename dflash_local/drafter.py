@@ -21,6 +21,11 @@ class Drafter:
     def draft(self, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
+    def draft_rated(self, tokens: list[int], k: int) -> tuple[list[int], list[float] | None]:
+        """draft(), and the drafter's own estimate that each token is accepted where it gives one for free (a
+        DSpark confidence head, DFlash2's selector path), else None: the policy cuts the draft with it."""
+        return self.draft(tokens, k), None
+
     def context(self) -> int:
         """How many positions of the target's cache this drafter holds the features of (a prefix reused from the
         previous generation can be no longer)."""
@@ -52,6 +57,10 @@ class NativeDrafter(Drafter):
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         return self.session.draft(tokens[-1], k).tokens
+
+    def draft_rated(self, tokens: list[int], k: int) -> tuple[list[int], list[float] | None]:
+        d = self.session.draft(tokens[-1], k)
+        return d.tokens, d.confidence or None
 
 
 def as_drafter(d: Drafter | Callable[[list[int], int], list[int]]) -> Drafter:

@@ -155,12 +155,14 @@ class Engine:
 
             self.drafter = TorchDraftBackend.load(draft, model, pick_device(draft_device))
             sh = self.drafter.model.shape
-            self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token)
+            self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token, sh.anchor_first)
 
         trained = self.spec.block_size if self.spec else 1
         if block_size is not None and block_size < 1:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = min(block_size or trained, trained)
+        # the longest draft: a block's mask slots, and its anchor slot too for anchor-first DSpark drafters
+        self.max_draft = self.block_size - 1 + (1 if self.spec and self.spec.anchor_first else 0)
         if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
             raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
 
@@ -170,7 +172,7 @@ class Engine:
         self.session = _native.Session(
             self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api,
             FLASH_ATTN[placement.fa], verbose, **placement.session_kwargs(),
-            n_rs_seq=self.block_size - 1 if n_rs_seq is None else n_rs_seq,
+            n_rs_seq=self.max_draft if n_rs_seq is None else n_rs_seq,
         )
         self.n_ctx = self.n_ctx or self.session.n_ctx
         if self.draft_model is not None:
@@ -379,6 +381,9 @@ class Engine:
         if rejection and self.draft_info is not None and self.draft_info.get("selector_top_k"):
             raise ValueError("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
                              "selector lattice; use the default spec sampling (match)")
+        if rejection and self.draft_info is not None and "markov_w1.weight" in self.draft_info.tensors:
+            raise ValueError("rejection sampling needs the drafter's distributions: a DSpark drafter chains its "
+                             "Markov head on greedy drafts, not sampled ones; use the default spec sampling (match)")
         if rejection and params.grammar:
             raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
                              "(match)")
@@ -394,8 +399,8 @@ class Engine:
                   shown: frozenset[int], rejection: bool) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s = self.session
-        policy = self._policy_for(self.block_size - 1 if drafter else 0)
-        tracker = StatsTracker(max(self.block_size, 2) if drafter else 1)
+        policy = self._policy_for(self.max_draft if drafter else 0)
+        tracker = StatsTracker(max(self.max_draft + 1, 2) if drafter else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)
@@ -422,7 +427,8 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
-                r, draft_ms = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter, rejection)
+                r, draft_ms, ratings = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter,
+                                                       rejection, policy)
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -440,7 +446,7 @@ class Engine:
                 tracker.add(stats)
                 # a rejected draft's rollback is part of what verifying it cost
                 policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms, stats.draft_ms,
-                              r.sample_ms)
+                              r.sample_ms, ratings)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -491,17 +497,23 @@ class Engine:
         return first
 
     def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
-                   rejection: bool):
-        """One step: the drafter proposes k tokens after `tokens`, the target verifies them (its own token at each
-        position is generated token number index + i), the drafter takes the accepted positions' features.
-        Rejection sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses.
-        Returns the native StepResult and the drafter's milliseconds."""
+                   rejection: bool, policy: DraftPolicy):
+        """One step: the drafter proposes k tokens after `tokens` (cut by the policy where the drafter rates them),
+        the target verifies them (its own token at each position is generated token number index + i), the drafter
+        takes the accepted positions' features. Rejection sampling draws the draft from the llama.cpp drafter's
+        distribution, which the step then uses. Returns the native StepResult, the drafter's milliseconds and its
+        ratings of the verified drafts (None if it gives none)."""
         s = self.session
-        proposal, draft_ms = [], 0.0
+        proposal, draft_ms, ratings = [], 0.0, None
         if k > 0:
             t0 = time.perf_counter()
-            proposal = s.draft(tokens[-1], k, False, sampler, index).tokens if rejection else drafter.draft(tokens, k)
+            if rejection:
+                proposal = s.draft(tokens[-1], k, False, sampler, index).tokens
+            else:
+                proposal, ratings = drafter.draft_rated(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
+            if ratings:
+                proposal = proposal[: policy.cut(ratings, draft_ms)]
         pos0 = s.n_past
         r = s.step(tokens[-1], proposal, sampler, index, rejection)
         draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
@@ -509,7 +521,7 @@ class Engine:
             t0 = time.perf_counter()
             drafter.extend(s, pos0, r.n_accepted + 1)
             draft_ms += (time.perf_counter() - t0) * 1000
-        return r, draft_ms
+        return r, draft_ms, ratings[: len(r.draft)] if ratings else None
 
     def _policy_for(self, max_draft: int) -> DraftPolicy:
         adaptive = self.draft_policy == "auto"

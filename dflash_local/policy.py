@@ -14,6 +14,14 @@ can save. A full block that paid off (more tokens per millisecond than plain dec
 drafting does not pay, it decodes plainly and drafts a full block every `probe_every` steps to keep learning,
 waiting twice as long after each probe that did not pay (up to `max_probe_every`), since on CPUs a full block costs
 several plain steps.
+
+Some drafters rate their own drafts: a DSpark confidence head estimates, for each drafted token, the chance it is
+accepted; DFlash2's selector gives the probability of its path at each position. With such a rating the drafted
+block is cut before verifying: each rating c goes through a calibration (the acceptance seen at drafts rated like
+it, per tenth of c, starting from c itself), and the prefix of m tokens that promises the most tokens per
+millisecond of this step, E(m) / (T(m + 1) + D + S E(m)) with the drafting time D already spent, is verified. A cut
+only shortens what is verified, so the output stays what the target decodes. Probes verify whole blocks, so the
+calibration keeps learning at low ratings too.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dataclasses import dataclass, field
 
 DECAY = 0.9  # per observation: the estimates follow roughly the last 10 tests of each position
 MARGIN = 1.1  # drafting must promise 10% more tokens per millisecond than plain decoding: timings are noisy
+BINS = 10  # a drafter's ratings are calibrated per tenth
+PRIOR = 2.0  # an unseen tenth trusts the drafter's rating as much as two observations
 
 
 @dataclass
@@ -41,6 +51,9 @@ class DraftPolicy:
     steps_since_draft: int = 0
     paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
     interval: int = 0  # plain steps before the next probe
+    probing: bool = False  # the last choice was a probe: verify the whole block, whatever the drafter's ratings
+    rated_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)  # decayed counts per tenth of rating
+    rated_tried: list[float] = field(default_factory=lambda: [0.0] * BINS)
 
     def __post_init__(self):
         self.interval = self.probe_every
@@ -77,15 +90,20 @@ class DraftPolicy:
         return e
 
     def choose(self) -> int:
+        self.probing = False
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
         plain = self._estimate(self.verify_ms, 1)
-        if plain is None or self.paid_off or self.steps_since_draft >= self.interval:
-            return self.max_draft  # probe, and keep going while full blocks pay off (the estimates catch up)
+        if plain is None or self.steps_since_draft >= self.interval:
+            self.probing = True
+            return self.max_draft
+        if self.paid_off:
+            return self.max_draft  # keep going while full blocks pay off (the estimates catch up)
         best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
         for n in range(1, self.max_draft + 1):
             t, d = self._estimate(self.verify_ms, n + 1), self._estimate(self.draft_ms, n)
             if t is None or d is None:
+                self.probing = True
                 return self.max_draft  # a size never measured: try the full block once
             e = self.expected_tokens(n)
             rate = e / max(t + d + self.sample_ms * e, 1e-6)
@@ -93,10 +111,37 @@ class DraftPolicy:
                 best, best_rate = n, rate
         return best
 
+    @staticmethod
+    def _bin(rating: float) -> int:
+        return min(max(int(rating * BINS), 0), BINS - 1)
+
+    def calibrated(self, rating: float) -> float:
+        """The chance that a draft the drafter rated `rating` is accepted once the drafts before it were."""
+        b = self._bin(rating)
+        return (self.rated_accepted[b] + PRIOR * rating) / (self.rated_tried[b] + PRIOR)
+
+    def cut(self, ratings: list[float], draft_ms: float) -> int:
+        """How many tokens of a drafted block to verify, given the drafter's rating of each (see the module
+        docstring); all of them when the policy is fixed, probing, or has no verify timings yet."""
+        n = len(ratings)
+        if not self.adaptive or self.probing or not self.verify_ms:
+            return n
+        best, best_rate, e, p = 0, -1.0, 1.0, 1.0
+        for m in range(n + 1):
+            if m:
+                p *= self.calibrated(ratings[m - 1])
+                e += p
+            rate = e / max(self._estimate(self.verify_ms, m + 1) + draft_ms + self.sample_ms * e, 1e-6)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best
+
     def update(
-        self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0
+        self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
+        ratings: list[float] | None = None,
     ) -> None:
-        """One step's outcome; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from."""
+        """One step's outcome; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from; ratings:
+        the drafter's rating of each verified draft, if it gives them."""
         self.steps_since_draft = 0 if n_drafted else self.steps_since_draft + 1
         self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
         self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
@@ -112,6 +157,10 @@ class DraftPolicy:
         for k in range(min(n_drafted, n_accepted + 1)):
             self.tried[k] = self.tried[k] * DECAY + 1
             self.accepted[k] = self.accepted[k] * DECAY + (k < n_accepted)
+            if ratings:
+                b = self._bin(ratings[k])
+                self.rated_tried[b] = self.rated_tried[b] * DECAY + 1
+                self.rated_accepted[b] = self.rated_accepted[b] * DECAY + (k < n_accepted)
 
     def _record(self, kind: str, k: int, value: float) -> float:
         """Median of the last 15 timings per size: one slow step (another process, a page fault) moves nothing."""

@@ -13,6 +13,12 @@ drafts: at each draft position the top_k tokens of the logits (after the logit s
 after each candidate of the previous position (the anchor token for the first), score = logit + the pairwise term
 <predecessor codebook row * projected hidden, successor codebook row>; the draft is the greedy path through them.
 
+DSpark (DFlash + a Markov head and an optional confidence head) reads its drafts from block slot 0 on (the anchor's
+slot, "anchor-first"; some exports keep DFlash's layout, drafting from slot 1). Each slot's logits get a low-rank
+bias from the previous draft token, markov_w2 @ markov_w1[prev] (prev: the anchor for the first slot, then the
+argmax of the previous slot's biased logits), and the confidence head rates the slot's draft as
+sigmoid(conf_proj . [final hidden ; markov_w1[prev]] + bias), as llama.cpp's graph computes them.
+
 Weights are named the GGUF way (fc.weight, enc.output_norm.weight, blk.N.attn_q.weight, ...), so one loader serves
 a z-lab checkpoint (renamed by the converter's reader) and a (dequantized) DFlash GGUF. Runs on cuda, mps or cpu.
 """
@@ -57,6 +63,7 @@ class DraftShape:
     logit_softcap: float = 0.0
     conv_group_size: int = 0  # DFlash2; 0 for DFlash
     selector_top_k: int = 0
+    anchor_first: bool = False  # DSpark: block slot 0 drafts too
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,6 +121,11 @@ class DFlashDrafter(nn.Module):
                 layer.update({n: p(f"blk.{i}.{n}.weight") for n in ("attn_conv_proj", "ffn_conv_proj")})
             self.selector = nn.ParameterDict({n: p(f"selector_{n}.weight")
                                               for n in ("predecessor", "successor", "hidden")})
+        self.markov = None
+        if "markov_w1.weight" in weights:  # DSpark: w1 [vocab, rank], w2 [draft vocab, rank], conf [1, hidden + rank]
+            names = {"w1": "markov_w1.weight", "w2": "markov_w2.weight", "conf": "conf_proj.weight",
+                     "conf_bias": "conf_proj.bias"}
+            self.markov = nn.ParameterDict({k: p(n) for k, n in names.items() if n in weights})
 
     def gguf_tensors(self) -> dict[str, np.ndarray]:
         """The weights under their GGUF names (the inverse of the constructor), as float32 numpy (d2t as ids)."""
@@ -122,6 +134,10 @@ class DFlashDrafter(nn.Module):
             out.update({f"blk.{i}.{n}" + ("" if n.endswith("_base") else ".weight"): w for n, w in layer.items()})
         if self.selector is not None:
             out.update({f"selector_{n}.weight": w for n, w in self.selector.items()})
+        if self.markov is not None:
+            names = {"w1": "markov_w1.weight", "w2": "markov_w2.weight", "conf": "conf_proj.weight",
+                     "conf_bias": "conf_proj.bias"}
+            out.update({names[k]: w for k, w in self.markov.items()})
         if self.lm_head is not None:
             out["output.weight"] = self.lm_head
         out = {n: w.detach().float().cpu().numpy() for n, w in out.items()}
@@ -207,6 +223,25 @@ class DFlashDrafter(nn.Module):
         pair = torch.einsum("npr,njr->npj", pred, self.selector["successor"][cand])
         return cand, unary[:, None, :] + pair
 
+    def markov_chain(self, hidden: torch.Tensor, base: torch.Tensor, anchor: int, d2t: torch.Tensor | None,
+                     given: list[int] | None = None):
+        """DSpark: the biased logits [n, V] of the n slots and their confidences [n] (None without a confidence
+        head), from the slots' final hidden states [n, H] and unbiased logits [n, V]. Each slot's bias follows the
+        previous slot's argmax, or the previous of the `given` drafts (to compare slot by slot with another run)."""
+        m = self.markov
+        prev, rows, conf = anchor, [], []
+        for i in range(base.shape[0]):
+            emb = m["w1"][prev]
+            bias = m["w2"] @ emb
+            if d2t is not None:  # a reduced draft vocabulary: the bias lands on the target rows its drafts map to
+                bias = torch.zeros(base.shape[1], dtype=base.dtype, device=base.device).index_copy(0, d2t, bias)
+            rows.append(base[i] + bias)
+            if "conf" in m:
+                z = m["conf"][0] @ torch.cat([hidden[i], emb])
+                conf.append(torch.sigmoid(z + m["conf_bias"][0] if "conf_bias" in m else z))
+            prev = int(rows[-1].argmax()) if given is None else given[i]
+        return torch.stack(rows), torch.stack(conf) if conf else None
+
     @staticmethod
     def walk(cand: torch.Tensor, scores: torch.Tensor) -> tuple[list[int], list[float]]:
         """The greedy path through a lattice: the draft tokens and the selector's probability of each."""
@@ -258,13 +293,15 @@ def shape_from_gguf(info) -> DraftShape:
         logit_softcap=info.get("final_logit_softcapping") or 0.0,
         conv_group_size=info.get("conv_group_size") or 0,
         selector_top_k=info.get("selector_top_k") or 0,
+        anchor_first="markov_w1.weight" in info.tensors and bool(info.get("sample_from_anchor", True)),
     )
 
 
 def load_gguf_drafter(path) -> DFlashDrafter:
     info = read_gguf(path)
     shape = shape_from_gguf(info)
-    names = [n for n in info.tensors if n.startswith(("fc.", "enc.", "output", "blk.", "selector_")) or n == "d2t"]
+    names = [n for n in info.tensors
+             if n.startswith(("fc.", "enc.", "output", "blk.", "selector_", "markov_", "conf_proj")) or n == "d2t"]
     return DFlashDrafter(shape, {n: _dequantized(info, n) for n in names})
 
 
@@ -299,6 +336,7 @@ def load_zlab_drafter(path, target_info) -> DFlashDrafter:
         logit_softcap=c.logit_softcap or 0.0,
         conv_group_size=c.conv_group_size or 0,
         selector_top_k=c.selector_top_k or 0,
+        anchor_first=c.dspark and c.sample_from_anchor,
     )
     weights = {t.name: read_tensor(t.src) for t in ck.tensors if t.src is not None}
     if "d2t" in weights:  # stored as offsets: target id = d2t[i] + i
@@ -353,13 +391,15 @@ class TorchDraftBackend(Drafter):
 
     @torch.inference_mode()
     def hidden_and_logits(self, last: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states [n, H] and draft logits [n, vocab] for the n positions after `last` (which sits at
-        the next context position); DFlash2's logits after its logit scale and soft-capping."""
+        """Final hidden states [n, H] and draft logits [n, vocab] of the n draft slots of the block after `last`
+        (which sits at the next context position): slots 1..n, or 0..n-1 for an anchor-first DSpark drafter.
+        DFlash2's logits after its logit scale and soft-capping; DSpark's without its Markov bias."""
         s = self.model.shape
-        tokens = torch.tensor([last] + [s.mask_token] * n, device=self.device)
-        pos = torch.arange(self.n, self.n + n + 1, device=self.device)
+        first = 0 if s.anchor_first else 1
+        tokens = torch.tensor([last] + [s.mask_token] * (n - 1 + first), device=self.device)
+        pos = torch.arange(self.n, self.n + n + first, device=self.device)
         noise = self.embed[tokens] * s.embedding_scale
-        h = self.model(noise, pos, self.ctx)[1:]
+        h = self.model(noise, pos, self.ctx)[first:]
         if self.model.lm_head is None:
             out = h @ self.head.T
         else:
@@ -380,10 +420,23 @@ class TorchDraftBackend(Drafter):
         h, logits = self.hidden_and_logits(last, n)
         return self.model.selector_lattice(h, logits, last, self.model.shape.selector_top_k)
 
+    @torch.inference_mode()
+    def dspark(self, last: int, n: int, given: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DSpark: the biased draft logits [n, vocab] of the n slots after `last` and their confidences [n]
+        (DFlashDrafter.markov_chain)."""
+        h, base = self.hidden_and_logits(last, n)
+        return self.model.markov_chain(h, base, last, self.model.d2t, given)
+
     def draft(self, tokens: list[int], k: int) -> list[int]:
+        return self.draft_rated(tokens, k)[0]
+
+    def draft_rated(self, tokens: list[int], k: int) -> tuple[list[int], list[float] | None]:
         if self.model.selector is not None:
-            return self.model.walk(*self.lattice(tokens[-1], k))[0]
-        return self.logits(tokens[-1], k).argmax(-1).tolist()
+            return self.model.walk(*self.lattice(tokens[-1], k))
+        if self.model.markov is not None:
+            logits, conf = self.dspark(tokens[-1], k)
+            return logits.argmax(-1).tolist(), conf.tolist() if conf is not None else None
+        return self.logits(tokens[-1], k).argmax(-1).tolist(), None
 
 
 def pick_device(name: str) -> str:

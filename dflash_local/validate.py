@@ -20,6 +20,18 @@ class DraftSpec:
     layers: list[int]  # target layer-input indices whose hidden states feed the drafter
     block_size: int
     mask_token: int
+    anchor_first: bool = False  # DSpark: the block's first slot drafts too, so a block drafts block_size tokens
+
+    @property
+    def max_draft(self) -> int:
+        return self.block_size if self.anchor_first else self.block_size - 1
+
+
+def drafter_variant(draft: GGUFInfo) -> str:
+    """Which graph llama.cpp builds for a dflash GGUF: the tensor that switches each variant on."""
+    if "selector_hidden.weight" in draft.tensors:
+        return "DFlash2"
+    return "DSpark" if "markov_w1.weight" in draft.tensors else "DFlash"
 
 
 def _need(info: GGUFInfo, key: str):
@@ -85,9 +97,11 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> DraftSpec:
     block_size = int(draft.get("block_size", 16))
     if not 2 <= block_size <= 64:
         raise PairError(f"{name}: block size {block_size} outside 2..64")
-    if "selector_hidden.weight" in draft.tensors:
+    variant = drafter_variant(draft)
+    if variant == "DFlash2":
         _check_dflash2(draft, target.n_vocab)
-    return DraftSpec(layers, block_size, int(mask))
+    anchor_first = variant == "DSpark" and _check_dspark(draft, target.n_vocab)
+    return DraftSpec(layers, block_size, int(mask), anchor_first)
 
 
 def _check_dflash2(draft: GGUFInfo, n_vocab: int) -> None:
@@ -102,6 +116,20 @@ def _check_dflash2(draft: GGUFInfo, n_vocab: int) -> None:
     k, width = values["selector_top_k"], _need(draft, "embedding_length")
     if k > n_vocab or k * (k + 1) > width:
         raise PairError(f"{name}: selector_top_k {k} does not fit (vocabulary {n_vocab}, a lattice row of {width})")
+
+
+def _check_dspark(draft: GGUFInfo, n_vocab: int) -> bool:
+    """DSpark's heads, shaped as llama.cpp's loader wants them (it throws on a mismatch, after loading the rest);
+    returns whether its blocks are anchor-first (llama.cpp's default when the key is absent)."""
+    name = draft.path.name
+    w1, width = draft.tensors["markov_w1.weight"], _need(draft, "embedding_length")
+    rank = w1.shape[0]
+    if w1.shape[1] != n_vocab:
+        raise PairError(f"{name}: markov_w1 has {w1.shape[1]} rows, the vocabulary {n_vocab} tokens")
+    conf = draft.tensors.get("conf_proj.weight")
+    if conf is not None and tuple(conf.shape) != (width + rank, 1):
+        raise PairError(f"{name}: conf_proj.weight is {list(conf.shape)}, llama.cpp needs [{width + rank}, 1]")
+    return bool(draft.get("sample_from_anchor", True))
 
 
 def load_infos(model_path, draft_path=None) -> tuple[GGUFInfo, GGUFInfo | None]:

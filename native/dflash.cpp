@@ -8,6 +8,7 @@
 
 #include "llama.h"
 #include "ggml-backend.h"
+#include "gguf.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -228,8 +229,10 @@ struct Model {
     const Placement placement;
     llama_model_params params;  // as given to llama.cpp (the pointers in it are not kept valid)
 
+    const std::string path;
+
     Model(const std::string & path, const Placement & pl, bool verbose)
-        : verbose(verbose), placement(pl) {
+        : verbose(verbose), placement(pl), path(path) {
         LogScope log(verbose);
         params = model_params(pl);
         // kept alive through the load, which is the only time llama.cpp reads them
@@ -319,6 +322,19 @@ struct Model {
         return std::string(buf.data());
     }
     std::string arch() const { return meta("general.architecture"); }
+
+    // Whether the GGUF holds a tensor of this name: read from the file's header, since llama.cpp has no lookup by
+    // name (a DSpark drafter is told from a DFlash one by its tensors, as upstream's speculative driver does).
+    bool has_tensor(const std::string & name) const {
+        gguf_init_params gp = {true, nullptr};
+        gguf_context * g = gguf_init_from_file(path.c_str(), gp);
+        if (!g) {
+            return false;
+        }
+        const bool found = gguf_find_tensor(g, name.c_str()) >= 0;
+        gguf_free(g);
+        return found;
+    }
     int n_vocab() const { return llama_vocab_n_tokens(vocab); }
 
     // llama.cpp aborts the process when a model without a tokenizer is asked to tokenize or detokenize
@@ -1154,8 +1170,11 @@ static llama_token draw_tempered(const float * row, int n_vocab, float temperatu
 // Session: target context, optional drafter context, and the speculative step.
 
 struct Draft {
-    std::vector<llama_token> tokens;  // the proposed tokens
-    std::vector<float>       probs;   // the drafter's probability of each (when asked for)
+    std::vector<llama_token> tokens;      // the proposed tokens
+    std::vector<float>       probs;       // the drafter's probability of each (when asked for)
+    // The drafter's own estimate that each token is accepted, where it gives one at no cost: a DSpark confidence
+    // head's output, DFlash2's selector probability along its path; empty for a plain DFlash drafter.
+    std::vector<float>       confidence;
 };
 
 struct StepResult {
@@ -1213,7 +1232,7 @@ public:
         LogScope log(verbose);
         check_arguments(opt);
         try {
-            create_contexts(opt, opt.n_rs_seq < 0 ? (dft ? block_size - 1 : 0) : opt.n_rs_seq);
+            create_contexts(opt, opt.n_rs_seq < 0 ? max_draft : opt.n_rs_seq);
         } catch (...) {
             free_all();  // the destructor does not run for a constructor that throws
             throw;
@@ -1335,13 +1354,17 @@ public:
             throw std::invalid_argument("rejection sampling needs the drafter's distributions: a DFlash2 drafter "
                                         "drafts from its selector lattice");
         }
+        if (sampler && dspark) {
+            throw std::invalid_argument("rejection sampling needs the drafter's distributions: a DSpark drafter "
+                                        "chains its Markov head on greedy drafts");
+        }
         check_tokens({last});
         return transaction([&] {
             Draft d;
             q_tokens.clear();
             if (n_draft > 0) {
                 flush();
-                draft_block(last, std::min(n_draft, block_size - 1), with_probs, sampler, index, d);
+                draft_block(last, std::min(n_draft, max_draft), with_probs, sampler, index, d);
             }
             return d;
         });
@@ -1515,6 +1538,12 @@ private:
     llama_token mask_token = -1;
     int block_size = 16;
     int top_k = 0;  // DFlash2: candidates per position in the selector lattice; 0 for a plain DFlash drafter
+    // DSpark: a Markov head biases each block slot's logits by the previous slot's argmax (in llama.cpp's graph);
+    // anchor-first blocks draft from the anchor's slot on, and a confidence head rates each slot's draft
+    bool dspark = false;
+    bool dspark_conf = false;
+    bool anchor_first = false;
+    int max_draft = 0;  // the longest draft of one block: block_size - 1, or block_size when anchor-first
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
     std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
@@ -1617,6 +1646,11 @@ private:
                                         std::to_string(max_block));
         }
         top_k = std::max(0, llama_model_dflash_selector_top_k(dft->model));
+        dspark = dft->has_tensor("markov_w1.weight");
+        dspark_conf = dspark && dft->has_tensor("conf_proj.weight");
+        // as llama.cpp's graph reads it: absent means anchor-first
+        anchor_first = dspark && dft->meta("dflash.sample_from_anchor") != "false";
+        max_draft = anchor_first ? block_size : block_size - 1;
     }
 
     void create_contexts(const ContextOptions & o, int n_rs_seq) {
@@ -1677,8 +1711,9 @@ private:
         }
         batch_dft = new_batch(ctx_dft);
         llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
-        if (top_k > 0) {
-            // one lattice row per block token, whether or not the token is a logits output (unmasked)
+        if (top_k > 0 || dspark_conf) {
+            // one lattice (DFlash2) or confidence (DSpark) row per block token, whether or not the token is a logits
+            // output (unmasked)
             llama_set_embeddings_nextn(ctx_dft, true, false);
         }
     }
@@ -2017,17 +2052,22 @@ private:
         process(ctx_dft, batch_dft, "drafter feature injection");
     }
 
-    // Decode [last, mask x n_draft] at the next positions and read the draft from it: DFlash takes the argmax at
-    // each mask (or, with a sampler, a draw from its distribution), DFlash2 walks its selector lattice.
+    // Decode [last, mask x (n_draft - 1 + first)] at the next positions and read the draft from it, from block slot
+    // `first` on: slot 1 (the first mask) for DFlash, slot 0 (the anchor's) for an anchor-first DSpark drafter.
+    // DFlash takes the argmax at each slot (or, with a sampler, a draw from its distribution); DSpark's logits
+    // already carry its Markov bias, chained slot after slot on the argmax by llama.cpp's graph, and its confidence
+    // head's estimates come back as rows of "nextn" embeddings (each row the value repeated); DFlash2 walks its
+    // selector lattice.
     void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
                      Draft & d) {
         drop_from(ctx_dft, past, "drafter");
         llama_batch_ext_clear(batch_dft);
+        const int first = anchor_first ? 0 : 1;
         // DFlash reads logits: every row is marked as an output, the anchor too, since the dflash graph computes
         // logits for all rows and llama.cpp keeps the first n_outputs of them (marking fewer would shift the rows).
         // DFlash2 reads the lattice, which has every row anyway: logits only when they are kept for inspection.
         const bool logits = top_k == 0 || keep_draft;
-        for (int i = 0; i <= n_draft; ++i) {
+        for (int i = 0; i < n_draft + first; ++i) {
             add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits);
         }
         process(ctx_dft, batch_dft, "drafter decode");
@@ -2035,15 +2075,25 @@ private:
         draft_rows.clear();
         lattice_rows.clear();
         for (int i = 0; i < n_draft && keep_draft; ++i) {
-            const float * row = logits_row(ctx_dft, i + 1, "drafter");
+            const float * row = logits_row(ctx_dft, first + i, "drafter");
             draft_rows.insert(draft_rows.end(), row, row + n_vocab);
         }
         if (top_k > 0) {
             walk_lattice(n_draft, with_probs, d);
             return;
         }
+        if (dspark_conf) {
+            const float * conf = llama_get_embeddings_nextn(ctx_dft);
+            if (!conf) {
+                fail("the DSpark drafter returned no confidences");
+            }
+            const size_t width = (size_t) llama_model_n_embd(dft->model);
+            for (int i = 0; i < n_draft; ++i) {
+                d.confidence.push_back(conf[(size_t) (first + i) * width]);
+            }
+        }
         for (int i = 0; i < n_draft; ++i) {
-            const float * row = logits_row(ctx_dft, i + 1, "drafter");
+            const float * row = logits_row(ctx_dft, first + i, "drafter");
             if (sampler) {
                 const Sampling & sp = sampler->sampling();
                 q_rows.resize((size_t) (i + 1) * n_vocab);
@@ -2099,8 +2149,9 @@ private:
                 fail("the DFlash2 selector lattice names token " + std::to_string(id) + ", outside the vocabulary");
             }
             d.tokens.push_back((llama_token) id);
+            d.confidence.push_back(top_prob(scores, top_k, best));
             if (with_probs) {
-                d.probs.push_back(top_prob(scores, top_k, best));
+                d.probs.push_back(d.confidence.back());
             }
             prev = best;
         }
@@ -2327,7 +2378,8 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Draft>(m, "Draft")
         .def_readonly("tokens", &Draft::tokens)
-        .def_readonly("probs", &Draft::probs);
+        .def_readonly("probs", &Draft::probs)
+        .def_readonly("confidence", &Draft::confidence);
 
     py::class_<StepResult>(m, "StepResult")
         .def_readonly("tokens", &StepResult::tokens)

@@ -1,5 +1,12 @@
+import os
 import random
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 from fixtures import write_tiny_drafter, write_tiny_target
 
@@ -66,3 +73,58 @@ def gemma_drafter(models_dir, gemma_target):
 @pytest.fixture(scope="session")
 def gemma_engine(gemma_target, gemma_drafter):
     return Engine(gemma_target, gemma_drafter, n_ctx=2048, draft_policy="fixed")
+
+
+# -- upstream llama.cpp's converter, the reference for ours ------------------------------------------------------------
+
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # the llama.cpp this project builds on, whose converter is the reference
+
+
+def _llama_cpp_source(cache: Path) -> Path | None:
+    """llama.cpp's source as vendored in llama-cpp-python's sdist: $DFLASH_LLAMA_CPP_SRC, or the sdist fetched
+    with pip once into a cache (only its converter and gguf-py are unpacked)."""
+    given = os.environ.get("DFLASH_LLAMA_CPP_SRC")
+    if given:
+        return Path(given)
+    src = cache / "llama.cpp"
+    if (src / "conversion" / "qwen.py").is_file():
+        return src
+    run = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                          LLAMA_CPP, "-d", str(cache)], capture_output=True, text=True, check=False)
+    sdists = sorted(cache.glob("llama_cpp_python-0.3.36.tar.gz"))
+    if run.returncode != 0 or not sdists:
+        return None
+    with tarfile.open(sdists[0]) as tar:
+        prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")) and m.isfile()]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(src, members=members, filter="data")
+    return src
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_src():
+    src = _llama_cpp_source(Path.home() / ".cache" / "dflash-local-tests")
+    if src is None:
+        pytest.skip(f"the source of {LLAMA_CPP} is not available (set DFLASH_LLAMA_CPP_SRC or allow pip download)")
+    return src
+
+
+def upstream_convert(src, ckpt_dir, target, out) -> Path:
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "upstream_convert.py"), str(src),
+                          str(ckpt_dir), str(target), str(out)], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def gguf_contents(path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(str(path))
+    kv = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type, tuple(int(d) for d in t.shape), np.array(t.data)) for t in r.tensors}
+    return kv, tensors
+
+
+# general.* is provenance (name, size label, ...), not something llama.cpp reads; ours always states causal
+UPSTREAM_ONLY = {"general.quantization_version", "general.size_label", "general.type"}

@@ -2,6 +2,8 @@
 
 It is a test double for the drafter only: verification, acceptance, rollback and feature injection are the real
 native code. Cycling the error offset through 0..n (n meaning no error) forces every acceptance length.
+With rated=True it also rates its drafts as a DSpark confidence head would, knowing where it planted the error:
+high before it, low from it on.
 """
 
 import random
@@ -11,13 +13,15 @@ from dflash_local.drafter import Drafter
 
 class ScriptedDrafter(Drafter):
     def __init__(self, n_prompt: int, continuation: list[int], n_vocab: int, seed: int | None = None,
-                 errors: bool = True):
+                 errors: bool = True, rated: bool = False):
         self.n_prompt = n_prompt
         self.continuation = continuation
         self.n_vocab = n_vocab
         self.rng = random.Random(seed) if seed is not None else None
         self.errors = errors  # False: every draft is the continuation itself
+        self.rated = rated
         self.calls = 0
+        self.error_at = 0  # where the last draft's error is (its length: none)
 
     def draft(self, tokens: list[int], n: int) -> list[int]:
         # tokens = prompt + everything generated so far; the next generated index is len(tokens) - n_prompt
@@ -26,6 +30,11 @@ class ScriptedDrafter(Drafter):
         draft += [0] * (n - len(draft))
         error_at = self.rng.randint(0, n) if self.rng else self.calls % (n + 1)
         self.calls += 1
-        if self.errors and error_at < n:
+        self.error_at = error_at if self.errors else n
+        if self.error_at < n:
             draft[error_at] = (draft[error_at] + 1) % self.n_vocab
         return draft
+
+    def draft_rated(self, tokens: list[int], n: int) -> tuple[list[int], list[float] | None]:
+        draft = self.draft(tokens, n)
+        return draft, [0.9 if i < self.error_at else 0.1 for i in range(n)] if self.rated else None

@@ -8,16 +8,13 @@ shorter than the prompts, so every part of the graph is exercised.
 """
 
 import json
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
-from conftest import make_prompts
+from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_target
 from zlab import write_checkpoint, zlab2_config, zlab_config
 
@@ -32,7 +29,6 @@ torch = pytest.importorskip("torch")
 
 LAYER_IDS = [0, 1, 2]  # features 0..2 of the 4-layer tiny target -> GGUF layer inputs 1..3
 TOP_K = 6  # 6 * 7 = 42 lattice values fit the drafter's 64-wide rows
-LLAMA_CPP = "llama-cpp-python==0.3.36"  # the llama.cpp this project builds on, whose converter is the reference
 
 
 @pytest.fixture(scope="module")
@@ -80,54 +76,6 @@ def converted(work, ckpt, target):
 # -- conversion -------------------------------------------------------------------------------------------------------
 
 
-def _llama_cpp_source(cache: Path) -> Path | None:
-    """llama.cpp's source as vendored in llama-cpp-python's sdist: $DFLASH_LLAMA_CPP_SRC, or the sdist fetched
-    with pip once into a cache (only its converter and gguf-py are unpacked)."""
-    given = os.environ.get("DFLASH_LLAMA_CPP_SRC")
-    if given:
-        return Path(given)
-    src = cache / "llama.cpp"
-    if (src / "conversion" / "qwen.py").is_file():
-        return src
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                          LLAMA_CPP, "-d", str(cache)], capture_output=True, text=True, check=False)
-    sdists = sorted(cache.glob("llama_cpp_python-0.3.36.tar.gz"))
-    if run.returncode != 0 or not sdists:
-        return None
-    with tarfile.open(sdists[0]) as tar:
-        prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")) and m.isfile()]
-        for m in members:
-            m.name = m.name[len(prefix):]
-        tar.extractall(src, members=members, filter="data")
-    return src
-
-
-@pytest.fixture(scope="module")
-def llama_cpp_src():
-    src = _llama_cpp_source(Path.home() / ".cache" / "dflash-local-tests")
-    if src is None:
-        pytest.skip(f"the source of {LLAMA_CPP} is not available (set DFLASH_LLAMA_CPP_SRC or allow pip download)")
-    return src
-
-
-def upstream_convert(src, ckpt_dir, target, out) -> Path:
-    run = subprocess.run([sys.executable, str(Path(__file__).parent / "upstream_convert.py"), str(src),
-                          str(ckpt_dir), str(target), str(out)], capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out
-
-
-def gguf_contents(path) -> tuple[dict, dict]:
-    r = gguf.GGUFReader(str(path))
-    kv = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
-    tensors = {t.name: (t.tensor_type, tuple(int(d) for d in t.shape), np.array(t.data)) for t in r.tensors}
-    return kv, tensors
-
-
-# general.* is provenance (name, size label, ...), not something llama.cpp reads; ours always states causal
-UPSTREAM_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
 
 
 @pytest.mark.parametrize("variant", ["DFlash2", "DFlash"])
@@ -266,6 +214,7 @@ def test_f32_torch_lattice_equals_ggml(converted, ckpt, target, source):
         tokens, probs = ref.model.walk(cand, scores)
         assert list(d.tokens) == tokens
         np.testing.assert_allclose(d.probs, probs, rtol=1e-4)
+        np.testing.assert_allclose(d.confidence, probs, rtol=1e-4)  # the rating the adaptive policy cuts with
         n += 1
     assert n == 24 and ref.n > 24  # the drafter's context outgrew its window of 24
 

@@ -15,10 +15,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_prompts
+from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_drafter, write_tiny_gemma4
 from scripted import ScriptedDrafter
-from test_dflash2 import UPSTREAM_ONLY, gguf_contents, llama_cpp_src, upstream_convert  # noqa: F401 (fixture)
 from test_hybrid import scripted_run
 from zlab import write_checkpoint, zlab_gemma4_config
 

@@ -1,6 +1,8 @@
 """The draft-length policy: its choice from costs and acceptance, and its effect in the engine."""
 
 
+from scripted import ScriptedDrafter
+
 from dflash_local import Engine, StepStats
 from dflash_local.convert.init_drafter import init_drafter
 from dflash_local.policy import DraftPolicy
@@ -14,7 +16,7 @@ def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float]
     return p
 
 
-CPU = {k: 7.5 + 6.5 * k for k in range(1, 9)}  # verify cost growing like gemma-3-270m's on 2 cores
+CPU = {k: 7.5 + 6.5 * k for k in range(1, 10)}  # verify cost growing like gemma-3-270m's on 2 cores
 GPU = {k: 10.0 + 0.2 * k for k in range(1, 9)}  # nearly flat
 DRAFT = {k: 2.0 for k in range(1, 8)}
 
@@ -114,3 +116,43 @@ def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_
     assert sum(s.n_drafted == 0 for s in steps) <= e._policy.probe_every
     assert all(s.n_accepted == s.n_drafted for s in steps)
     assert sum(s.n_drafted for s in steps) >= 80
+
+
+def test_ratings_cut_the_draft_where_acceptance_stops_paying():
+    p = trained(0.8, CPU, DRAFT)
+    assert p.choose() > 0 and not p.probing
+    assert p.cut([0.95, 0.95, 0.05, 0.95, 0.95], 2.0) == 2  # the third draft is unlikely: verifying it costs more
+    assert p.cut([0.95] * 5, 2.0) == 5
+    assert p.cut([0.02] * 5, 2.0) == 0  # nothing worth a verify: a plain step
+    assert DraftPolicy(7, adaptive=False).cut([0.02] * 5, 2.0) == 5  # fixed: the whole block
+    probe = DraftPolicy(7)
+    assert probe.choose() == 7 and probe.probing  # probes verify everything, so the calibration keeps learning
+    assert probe.cut([0.02] * 7, 2.0) == 7
+
+
+def test_ratings_are_calibrated_by_what_is_accepted():
+    p = trained(0.8, CPU, DRAFT)
+    assert p.calibrated(0.95) > 0.9  # nothing seen yet: the drafter's word
+    for _ in range(20):  # an overconfident drafter: its 0.95s are always rejected
+        p.update(3, 0, CPU[4], 2.0, ratings=[0.95, 0.95, 0.95])
+    assert p.calibrated(0.95) < 0.2 and p.calibrated(0.5) == 0.5  # (the decayed counts hold about 10 steps)
+    p.choose()
+    assert p.cut([0.95] * 5, 2.0) == 0
+
+
+def test_engine_cuts_rated_drafts_and_stays_lossless(tiny_target, tiny_drafter):
+    """A scripted drafter that rates its planted errors low: the adaptive engine verifies up to them and no further
+    (fewer rejected drafts per step than the same drafts unrated), and the output stays plain decoding's."""
+    e = Engine(tiny_target, tiny_drafter, n_ctx=1024, n_threads=1, draft_policy="auto")
+    rejected = {}
+    for rated in (False, True):
+        e._policy = SteadyCosts(7)
+        steps = []
+        for p in ["The history of the printing press", "def f(x):\n    return"]:
+            base = e.complete(p, max_tokens=80, draft=False)
+            drafter = ScriptedDrafter(len(e.prompt_tokens(p)), base.token_ids, e.target.n_vocab, seed=3, rated=rated)
+            events = list(e.generate(p, max_tokens=80, external_drafter=drafter))
+            assert events[-1].token_ids == base.token_ids
+            steps += [ev for ev in events if isinstance(ev, StepStats) and ev.n_drafted]
+        rejected[rated] = sum(s.n_accepted < s.n_drafted for s in steps) / len(steps)
+    assert rejected[False] > 0.5 and rejected[True] < 0.25, rejected

@@ -1,5 +1,6 @@
-"""Run upstream llama.cpp's own converter class for DFlash drafters (DFlashModel in conversion/qwen.py) on a
-checkpoint, offline, to compare our converter's output with what upstream writes.
+"""Run upstream llama.cpp's own converter class for DFlash drafters (DFlashModel in conversion/qwen.py, or its
+DSparkModel for a DSpark checkpoint) on a checkpoint, offline, to compare our converter's output with what upstream
+writes.
 
 Usage: python upstream_convert.py LLAMA_CPP_SRC CHECKPOINT TARGET.gguf OUT.gguf
 
@@ -9,6 +10,7 @@ set_vocab copies the tokenizer.* keys from the target GGUF instead of reading a 
 token is then written from dflash_config as upstream's set_vocab does.
 """
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -47,5 +49,7 @@ def set_vocab(self):
 
 
 qwen.DFlashModel.set_vocab = set_vocab
-model = qwen.DFlashModel(ckpt, gguf.LlamaFileType.ALL_F32, out, eager=True)
+archs = json.loads((ckpt / "config.json").read_text())["architectures"]
+cls = qwen.DSparkModel if any("DSpark" in a for a in archs) else qwen.DFlashModel
+model = cls(ckpt, gguf.LlamaFileType.ALL_F32, out, eager=True)
 model.write()

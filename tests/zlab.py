@@ -3,7 +3,8 @@
 - write_checkpoint: random weights in z-lab's exact layout (config.json with DFlashDraftModel and dflash_config,
   BF16 safetensors shards with an index json), written tensor by tensor so a 0.5 B model needs little memory;
   with a zlab2_config, a DFlash2DraftModel (conv and selector tensors as z-lab publishes them); with a
-  zlab_gemma4_config, z-lab's Gemma-4 layout (sliding-window layers, the target's logit soft-cap).
+  zlab_gemma4_config, z-lab's Gemma-4 layout (sliding-window layers, the target's logit soft-cap); with a
+  dspark_config, a DSparkDraftModel (Markov and confidence heads) in DeepSpec's or the speculators' config schema.
 - Reference: the DFlash forward in float64 NumPy, written from the model's definition, not from the converter:
   ctx = hidden_norm(fc(features)); per layer, queries from the noise block only, keys/values from [ctx; noise]
   (ctx K/V from the ctx hidden itself, no input_layernorm, as llama.cpp's dflash graph does), per-head q/k RMS norm,
@@ -164,6 +165,42 @@ def zlab_gemma4_config(*, sliding_window=2048, n_full=1, final_logit_softcapping
     return cfg
 
 
+def dspark_config(*, markov_rank=16, confidence=True, schema="deepspec", **kw) -> dict:
+    """config.json of a DSpark drafter. schema "deepspec": as deepseek-ai's published dspark_* checkpoints
+    (DSparkDraftModel, Qwen3 fields, block_size, target_layer_ids and mask_token_id at the top level, markov_rank,
+    markov_head_type vanilla, enable_confidence_head, confidence_head_with_markov; anchor-first blocks).
+    "speculators": the EAGLE3-style export (a nested transformer_layer_config, 1-based aux_hidden_state_layer_ids;
+    drafts after a bonus anchor slot)."""
+    cfg = zlab_config(**kw)
+    dc = cfg.pop("dflash_config")
+    del cfg["auto_map"]
+    cfg["architectures"] = ["DSparkDraftModel"]
+    heads = {"markov_rank": markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": confidence,
+             "confidence_head_with_markov": True}
+    if schema == "deepspec":
+        return {**cfg, "target_layer_ids": dc["target_layer_ids"], "mask_token_id": dc["mask_token_id"], **heads}
+    top = ("architectures", "block_size", "dtype", "transformers_version")
+    return {**{k: cfg[k] for k in top}, "aux_hidden_state_layer_ids": [i + 1 for i in dc["target_layer_ids"]],
+            "mask_token_id": dc["mask_token_id"], **heads,
+            "transformer_layer_config": {k: v for k, v in cfg.items() if k not in top}}
+
+
+def _flat(cfg: dict) -> dict:
+    """A config's model fields and target layer ids, whatever the schema."""
+    flat = {**cfg, **cfg.get("transformer_layer_config", {})}
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids") or cfg.get("target_layer_ids")
+    flat["target_layer_ids"] = ids or [i - 1 for i in cfg["aux_hidden_state_layer_ids"]]
+    return flat
+
+
+def _dspark_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, v, r = cfg["hidden_size"], cfg["vocab_size"], cfg["markov_rank"]
+    out = [("markov_head.markov_w1.weight", (v, r)), ("markov_head.markov_w2.weight", (v, r))]
+    if cfg["enable_confidence_head"]:
+        out += [("confidence_head.proj.weight", (1, h + r)), ("confidence_head.proj.bias", (1,))]
+    return out
+
+
 def _dflash2_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     dc, h = cfg["dflash_config"], cfg["hidden_size"]
     k, r = dc["conv_kernel_size"], dc["selector_rank"]
@@ -179,9 +216,10 @@ def _dflash2_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    cfg = _flat(cfg)
     h, ff, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    out = [("fc.weight", (h, len(cfg["dflash_config"]["target_layer_ids"]) * h)), ("hidden_norm.weight", (h,)),
+    out = [("fc.weight", (h, len(cfg["target_layer_ids"]) * h)), ("hidden_norm.weight", (h,)),
            ("norm.weight", (h,))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
@@ -200,6 +238,8 @@ def _shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
         ]
     if cfg["architectures"] == ["DFlash2DraftModel"]:
         out += _dflash2_shapes(cfg)
+    if cfg["architectures"] == ["DSparkDraftModel"]:
+        out += _dspark_shapes(cfg)
     return sorted(out)  # safetensors files list tensors by name
 
 
@@ -211,7 +251,7 @@ def write_checkpoint(path, cfg: dict, *, n_shards: int = 2, dtype: str = "BF16",
     residual_gain, 1/sqrt(2 * layers) by default as in GPT-2-style initialisation, which keeps the residual stream
     and the logit margins in the range of a trained model instead of near-uniform logits."""
     if residual_gain is None:
-        residual_gain = 1.0 / np.sqrt(2 * cfg["num_hidden_layers"])
+        residual_gain = 1.0 / np.sqrt(2 * _flat(cfg)["num_hidden_layers"])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -230,6 +270,12 @@ def write_checkpoint(path, cfg: dict, *, n_shards: int = 2, dtype: str = "BF16",
                 return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.3 / np.sqrt(shape[1]))
             if "codebook" in name:  # pairwise selector scores of about unit size
                 return rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.25)
+            if name.endswith("markov_w1.weight"):  # unit embeddings: a Markov bias of about one logit...
+                return rng.standard_normal(shape, dtype=np.float32)
+            if name.endswith("markov_w2.weight"):  # ...and four for every 16th token: peaked, as trained heads are
+                w = rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / np.sqrt(shape[1]))
+                w[::16] *= 4
+                return w
             gain = residual_gain if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain / np.sqrt(shape[1]))
         return make
