@@ -151,9 +151,10 @@ class Recording(NativeDrafter):
         super().__init__(session)
         self.drafts = {}
 
-    def draft(self, tokens, k):
-        self.drafts[len(tokens), k] = d = super().draft(tokens, k)
-        return d
+    def draft_rated(self, tokens, k):  # what the engine calls
+        d, ratings = super().draft_rated(tokens, k)
+        self.drafts[len(tokens), k] = d
+        return d, ratings
 
 
 def test_adaptive_drafts_equal_fixed_drafts_and_output_equals_plain(gemma_target):

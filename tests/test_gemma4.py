@@ -18,7 +18,7 @@ import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_drafter, write_tiny_gemma4
 from scripted import ScriptedDrafter
-from test_hybrid import scripted_run
+from test_hybrid import plain_logits, scripted_run
 from zlab import write_checkpoint, zlab_gemma4_config
 
 from dflash_local import Engine, _native
@@ -109,12 +109,7 @@ def test_logits_after_a_rollback_equal_plain_decoding(engine, gemma4):
     prompt = "def total(values):\n    result = 0\n"
     cont = engine.complete(prompt, max_tokens=24, draft=False).token_ids
     ids, sp, s = engine.prompt_tokens(prompt), _native.Sampling(), engine.session
-    plain = Engine(gemma4, n_ctx=1024).session
-    plain.set_capture(False)
-    plain.prefill(ids, sp, 0)
-    for i in range(20):
-        plain.step(cont[i], [], sp, i + 1)  # token by token
-    want = plain.logits(0)  # after cont[0..19]
+    want = plain_logits(gemma4, ids, cont, 20)  # after cont[0..19]
 
     s.truncate(0)
     engine.cache.clear()  # this test drives the session by hand

@@ -53,6 +53,17 @@ def scripted_run(engine, prompt, max_tokens, seed=None):
     return base, events[-1], [e for e in events if isinstance(e, StepStats)]
 
 
+def plain_logits(target, ids, cont, n):
+    """The logits plain decoding reaches after the prompt ids and cont[0..n-1], fed token by token."""
+    sp = _native.Sampling()
+    plain = Engine(target, n_ctx=1024).session
+    plain.set_capture(False)
+    plain.prefill(ids, sp, 0)
+    for i in range(n):
+        plain.step(cont[i], [], sp, i + 1)
+    return plain.logits(0)
+
+
 def test_a_ubatch_too_small_for_the_snapshots_is_refused(qwen35, qwen35_drafter):
     """llama.cpp keeps a verify block's last n_rs_seq + 1 tokens in one ubatch and aborts the process when it
     cannot: refused up front (8 tokens cannot hold 7 snapshots' 8 plus the one before them)."""
@@ -119,12 +130,7 @@ def test_logits_after_a_rollback_equal_plain_decoding(request, qwen35, which, ki
     prompt = "def total(values):"
     cont = engine.complete(prompt, max_tokens=12, draft=False).token_ids
     ids, sp, s = engine.prompt_tokens(prompt), _native.Sampling(), engine.session
-    plain = Engine(qwen35, n_ctx=1024).session
-    plain.set_capture(False)
-    plain.prefill(ids, sp, 0)
-    for i in range(5):
-        plain.step(cont[i], [], sp, i + 1)  # token by token
-    want = plain.logits(0)  # after cont[0..4]
+    want = plain_logits(qwen35, ids, cont, 5)  # after cont[0..4]
 
     s.truncate(0)
     engine.cache.clear()  # this test drives the session by hand
