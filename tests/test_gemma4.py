@@ -18,7 +18,7 @@ import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_drafter, write_tiny_gemma4
 from scripted import ScriptedDrafter
-from test_hybrid import plain_logits, scripted_run
+from test_hybrid import check_capture_paths_agree, plain_logits, scripted_run
 from zlab import write_checkpoint, zlab_gemma4_config
 
 from dflash_local import Engine, _native
@@ -68,15 +68,7 @@ def test_a_quantized_cache_needs_whole_blocks_in_the_sliding_layers_too(gemma4, 
 
 
 def test_layer_api_and_eval_callback_agree(gemma4, gemma4_drafter):
-    a = Engine(gemma4, gemma4_drafter, n_ctx=256, capture="layer_api")
-    b = Engine(gemma4, gemma4_drafter, n_ctx=256, capture="callback")
-    ids, sp = a.prompt_tokens("def add(a, b):\n    return a + b\n"), _native.Sampling()
-    assert a.session.prefill(ids, sp, 0) == b.session.prefill(ids, sp, 0)
-    fa, fb = a.session.features(), b.session.features()
-    assert fa.shape == (len(ids), 3 * a.target.n_embd) and np.abs(fa).max() > 0
-    np.testing.assert_array_equal(fa, fb)
-    for p in make_prompts(4):
-        assert a.complete(p, max_tokens=16).token_ids == b.complete(p, max_tokens=16).token_ids
+    check_capture_paths_agree(gemma4, gemma4_drafter, 3)
 
 
 def test_greedy_dflash_is_token_identical(engine):

@@ -184,16 +184,21 @@ def test_seeded_sampling_equals_plain_sampling(hybrid_ckpt):
     assert spec.summary.n_accepted > 0 and spec.summary.n_checkpoint_rollbacks > 0
 
 
-def test_layer_api_and_eval_callback_agree_on_the_hybrid_graph(qwen35, qwen35_drafter):
-    a = Engine(qwen35, qwen35_drafter, n_ctx=256, capture="layer_api")
-    b = Engine(qwen35, qwen35_drafter, n_ctx=256, capture="callback")
+def check_capture_paths_agree(target, drafter, n_layers):
+    """The layer-input export and the eval callback capture the same features, and draft the same output."""
+    a = Engine(target, drafter, n_ctx=256, capture="layer_api")
+    b = Engine(target, drafter, n_ctx=256, capture="callback")
     ids, sp = a.prompt_tokens("def add(a, b):\n    return a + b\n"), _native.Sampling()
     assert a.session.prefill(ids, sp, 0) == b.session.prefill(ids, sp, 0)
     fa, fb = a.session.features(), b.session.features()
-    assert fa.shape == (len(ids), 2 * a.target.n_embd) and np.abs(fa).max() > 0
+    assert fa.shape == (len(ids), n_layers * a.target.n_embd) and np.abs(fa).max() > 0
     np.testing.assert_array_equal(fa, fb)
     for p in make_prompts(4):
         assert a.complete(p, max_tokens=16).token_ids == b.complete(p, max_tokens=16).token_ids
+
+
+def test_layer_api_and_eval_callback_agree_on_the_hybrid_graph(qwen35, qwen35_drafter):
+    check_capture_paths_agree(qwen35, qwen35_drafter, 2)
 
 
 def test_bench_reports_the_rollback_cost(hybrid_ckpt):
