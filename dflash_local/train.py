@@ -226,6 +226,10 @@ class Trainer:
             raise ValueError(f"--draft-vocab must be between 1 and the target's {t.n_vocab} tokens")
         if cfg.block_size < 2:
             raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
+        if not 0 <= cfg.soft <= 1:
+            raise ValueError(f"--soft-labels must be between 0 and 1, got {cfg.soft}")
+        if not 1 <= cfg.parallel <= 256:
+            raise ValueError(f"-np/--parallel must be between 1 and 256 (llama.cpp's sequences), got {cfg.parallel}")
         self._full_head = None
         self._check_resume()
 
