@@ -524,11 +524,12 @@ class Engine:
         return r, draft_ms, ratings[: len(r.draft)] if ratings else None
 
     def _policy_for(self, max_draft: int) -> DraftPolicy:
-        adaptive = self.draft_policy == "auto"
-        if max_draft == 0:
-            return DraftPolicy(0)
-        if self._policy is None or (self._policy.max_draft, self._policy.adaptive) != (max_draft, adaptive):
-            self._policy = DraftPolicy(max_draft, adaptive)
+        """The adaptive policy, kept across generations (its timings and acceptance carry over, also while a
+        bench interleaves fixed-block runs); a fixed one learns nothing worth keeping."""
+        if max_draft == 0 or self.draft_policy != "auto":
+            return DraftPolicy(max_draft, adaptive=False)
+        if self._policy is None or self._policy.max_draft != max_draft:
+            self._policy = DraftPolicy(max_draft)
         self._policy.new_text()
         return self._policy
 

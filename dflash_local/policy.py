@@ -11,9 +11,12 @@ a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text),
 measured times, filled in for unmeasured sizes by a line through the measured ones, S the median time to sample one
 row of logits: a step samples one row per token it yields, drafting or not, so a dear sampler shrinks what drafting
 can save. A full block that paid off (more tokens per millisecond than plain decoding) is followed by another; when
-drafting does not pay, it decodes plainly and drafts a full block every `probe_every` steps to keep learning,
-waiting twice as long after each probe that did not pay (up to `max_probe_every`), since on CPUs a full block costs
-several plain steps.
+drafting does not pay, it decodes plainly and probes every `probe_every` steps to keep learning, waiting twice as
+long after each probe that did not pay (up to `max_probe_every`). On CPUs a verified token costs nearly a plain step,
+so probes are kept cheap: one drafts only as far as drafts are likely to reach (while the chance that every draft
+before is accepted stays above PROBE_REACH), a probe whose drafts were all accepted is followed by a full block, and
+a new generation halves the wait rather than starting the back-off again (a server's prompts tend to be alike, and
+on held-out prompts the restarted back-off's probes cost 5% of plain speed, README "Deferred injection").
 
 Some drafters rate their own drafts: a DSpark confidence head estimates, for each drafted token, the chance it is
 accepted; DFlash2's selector gives the probability of its path at each position. With such a rating the drafted
@@ -34,6 +37,7 @@ DECAY = 0.9  # per observation: the estimates follow roughly the last 10 tests o
 MARGIN = 1.1  # drafting must promise 10% more tokens per millisecond than plain decoding: timings are noisy
 BINS = 10  # a drafter's ratings are calibrated per tenth
 PRIOR = 2.0  # an unseen tenth trusts the drafter's rating as much as two observations
+PROBE_REACH = 0.1  # a probe drafts as far as the chance of reaching the draft stays above this
 
 
 @dataclass
@@ -61,8 +65,8 @@ class DraftPolicy:
         self.tried = [0.0] * self.max_draft
 
     def new_text(self) -> None:
-        """A new generation: the drafter may fare better on it, so probe at the base interval again."""
-        self.interval = self.probe_every
+        """A new generation: the drafter may fare better on it, so probe sooner, but keep most of the back-off."""
+        self.interval = max(self.probe_every, self.interval // 2)
 
     def acceptance(self) -> list[float]:
         return [(a + 1) / (t + 2) for a, t in zip(self.accepted, self.tried)]
@@ -94,9 +98,12 @@ class DraftPolicy:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
         plain = self._estimate(self.verify_ms, 1)
-        if plain is None or self.steps_since_draft >= self.interval:
+        if plain is None:
             self.probing = True
             return self.max_draft
+        if self.steps_since_draft >= self.interval:
+            self.probing = True
+            return self._probe_length()
         if self.paid_off:
             return self.max_draft  # keep going while full blocks pay off (the estimates catch up)
         best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
@@ -110,6 +117,15 @@ class DraftPolicy:
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
         return best
+
+    def _probe_length(self) -> int:
+        """Draft as far as the drafts are likely to reach: beyond, a probe would pay to verify what it cannot learn."""
+        reach = 1.0
+        for n, a in enumerate(self.acceptance(), 1):
+            reach *= a
+            if reach < PROBE_REACH:
+                return n
+        return self.max_draft
 
     @staticmethod
     def _bin(rating: float) -> int:
@@ -152,6 +168,8 @@ class DraftPolicy:
             made = n_accepted + 1
             cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self.sample_ms * made
             self.paid_off = plain is not None and made / max(cost, 1e-6) > MARGIN / max(plain + self.sample_ms, 1e-6)
+            # a short probe whose drafts were all accepted cannot show what a full block would make: try one
+            self.paid_off |= self.probing and n_accepted == n_drafted < self.max_draft
             self.interval = self.probe_every if self.paid_off else min(2 * self.interval, self.max_probe_every)
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):

@@ -46,8 +46,12 @@ def test_probes_unknown_sizes_and_after_long_plain_runs():
     assert p.choose() == 0  # sizes in between are estimated from a line through the measured ones
     for _ in range(p.probe_every):
         p.update(0, 0, 10.0, 0.0)
-    assert p.choose() == 7
-    p.update(7, 7, 60.0, 5.0)  # a probe that was fully accepted raises every estimate it tested
+    assert p.choose() == 1 and p.probing  # no draft was ever accepted: a probe drafts one token
+    before = p.acceptance()[0]
+    p.update(1, 1, 20.0, 5.0)  # a probe that was accepted raises the estimate it tested
+    assert p.acceptance()[0] > before
+    assert p.choose() == 7  # and a full block is tried next
+    p.update(7, 7, 60.0, 5.0)
     assert p.acceptance()[6] > 0.0
 
 
@@ -66,6 +70,29 @@ def test_probes_back_off_while_they_do_not_pay_and_return_when_one_does():
         p.update(0, 0, 10.0, 0.0)
     p.update(7, 7, 60.0, 5.0)  # 8 tokens in 65 ms beat plain decoding's 10 ms per token
     assert p.paid_off and p.interval == p.probe_every and p.choose() == 7
+
+
+def test_probes_draft_as_far_as_drafts_are_likely_to_reach():
+    # draft n is reached when the n - 1 before it are accepted: 0.3 ** 2 < 0.1 <= 0.3; 0.6 ** 5 < 0.1 <= 0.6 ** 4
+    for acceptance, length in ((0.0, 1), (0.3, 2), (0.6, 5)):
+        p = trained(acceptance, CPU, DRAFT)
+        assert p.choose() == 0
+        p.steps_since_draft = p.interval
+        assert p.choose() == length and p.probing
+    p.update(5, 5, CPU[6], 2.0)  # a short probe, all accepted: a full block is worth a try
+    assert p.choose() == 7
+    p.update(7, 0, CPU[8], 2.0)  # that did not pay: back to plain decoding, waiting twice as long
+    assert p.choose() == 0 and p.interval == 2 * p.probe_every
+
+
+def test_a_new_generation_halves_the_wait_for_the_next_probe():
+    p = trained(0.0, CPU, DRAFT)
+    p.interval = p.max_probe_every
+    p.new_text()
+    assert p.interval == p.max_probe_every // 2
+    for _ in range(8):
+        p.new_text()
+    assert p.interval == p.probe_every
 
 
 def test_tiny_or_extrapolated_costs_never_divide_by_zero():
@@ -109,13 +136,16 @@ def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_
     assert wrong.token_ids == base.token_ids
     assert wrong.summary.n_drafted < 120  # full blocks would draft 7 per step, about 830
     assert wrong.summary.steps > 100  # mostly plain steps
-    # an always-right drafter: within one probe interval a probe finds out, then full blocks for as long as they pay
+    # an always-right drafter: the next probe (half the back-off away) finds out, then full blocks while they pay
+    wait = max(e._policy.probe_every, e._policy.interval // 2) - e._policy.steps_since_draft
     events = list(e.generate(p, max_tokens=120, external_drafter=continuation))
     steps = [ev for ev in events if isinstance(ev, StepStats)]
     assert events[-1].token_ids == base.token_ids
-    assert sum(s.n_drafted == 0 for s in steps) <= e._policy.probe_every
+    first = next(i for i, s in enumerate(steps) if s.n_drafted)
+    assert first <= max(wait, 0)
+    assert all(s.n_drafted for s in steps[first:-1])  # the last may have had no room left to draft
     assert all(s.n_accepted == s.n_drafted for s in steps)
-    assert sum(s.n_drafted for s in steps) >= 80
+    assert sum(s.n_drafted == 7 for s in steps) >= 5
 
 
 def test_ratings_cut_the_draft_where_acceptance_stops_paying():
