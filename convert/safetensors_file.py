@@ -29,6 +29,7 @@ DTYPES = {
     "I16": np.dtype("<i2"),
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),  # the speculators' t2d mask beside a reduced draft vocabulary (read, then dropped)
 }
 
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit

@@ -4,7 +4,11 @@ target, the tiny qwen35 hybrid and gemma-3-270m, and the adaptive policy's cut b
 
 Checkpoints are written by the tests (tests/zlab.py) in the two published config schemas: DeepSpec's (deepseek-ai's
 dspark_* drafters: anchor-first blocks, a confidence head) and the speculators' EAGLE3-style export (a bonus anchor
-slot before the drafts), BF16 weights in several shards with an index json, GQA, head_dim != hidden / heads.
+slot before the drafts), BF16 weights in several shards with an index json, GQA, head_dim != hidden / heads. The
+"-d2t" ones have a reduced draft vocabulary as the speculators publish it: draft_vocab_size, an lm_head and a
+markov_w2 of that many rows, d2t (int64 offsets: target id = d2t[i] + i) and t2d (a bool mask of the target's
+vocabulary, unused at runtime); their draft logits are -inf outside the d2t set and the Markov bias lands on the
+target rows the draft rows map to.
 """
 
 import json
@@ -16,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
-from fixtures import write_tiny_qwen35, write_tiny_target
+from fixtures import write_tiny_qwen35
 from scripted import ScriptedDrafter
 from test_policy import SteadyCosts
 from zlab import dspark_config, write_checkpoint, zlab2_config
@@ -25,6 +29,7 @@ from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.convert.errors import ConvertError
 from dflash_local.convert.gguf_out import tokenizer_kv
 from dflash_local.convert.hf_to_gguf import convert_drafter
+from dflash_local.drafter import Drafter
 from dflash_local.gguf_file import read_gguf
 from dflash_local.validate import check_pair
 
@@ -32,7 +37,19 @@ torch = pytest.importorskip("torch")
 
 LAYER_IDS = [0, 1, 2]  # features 0..2 of the 4-layer tiny targets -> GGUF layer inputs 1..3
 BLOCK = 8
-SCHEMAS = ["deepspec", "speculators", "no-confidence"]
+SCHEMAS = ["deepspec", "speculators", "no-confidence", "deepspec-d2t", "speculators-d2t"]
+N_DRAFT = 200  # the reduced draft vocabulary of the "-d2t" checkpoints (the tiny target has 488 tokens)
+
+
+def anchor_first(schema: str) -> bool:
+    return not schema.startswith("speculators")
+
+
+def draft_ids(schema: str, n_vocab: int) -> np.ndarray:
+    """The target token ids a schema's drafter can draft: a fixed random subset for "-d2t", else all."""
+    if not schema.endswith("-d2t"):
+        return np.arange(n_vocab)
+    return np.sort(np.random.default_rng(11).choice(n_vocab, N_DRAFT, replace=False))
 
 
 @pytest.fixture(scope="module")
@@ -40,35 +57,43 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("dspark")
 
 
-@pytest.fixture(scope="module")
-def target(work):
-    return write_tiny_target(work / "target.gguf")
-
-
 def tiny_config(info, schema="deepspec", **kw):
     args = dict(hidden=64, n_layer=2, n_head=4, n_kv=2, head_dim=32, n_ff=96, target_layer_ids=LAYER_IDS,
                 num_target_layers=info.get("block_count"), vocab_size=info.n_vocab,
                 mask_token_id=info.kv["tokenizer.ggml.mask_token_id"], block_size=BLOCK, markov_rank=32)
+    if schema.endswith("-d2t"):
+        args["draft_vocab_size"] = N_DRAFT
     args.update(kw)
     if schema == "no-confidence":
         return dspark_config(confidence=False, **args)
-    return dspark_config(schema=schema, **args)
+    return dspark_config(schema=schema.removesuffix("-d2t"), **args)
+
+
+def d2t_tensors(schema: str, n_vocab: int) -> dict | None:
+    """A "-d2t" checkpoint's d2t and t2d, in the speculators' dtypes (int64 offsets, a bool mask)."""
+    if not schema.endswith("-d2t"):
+        return None
+    ids = draft_ids(schema, n_vocab)
+    t2d = np.zeros(n_vocab, bool)
+    t2d[ids] = True
+    return {"d2t": ("I64", ids - np.arange(len(ids))), "t2d": ("BOOL", t2d)}
 
 
 @pytest.fixture(scope="module")
-def ckpt(work, target):
-    info = read_gguf(target)
-    return {s: write_checkpoint(work / f"zlab-tiny-DSpark-{s}", tiny_config(info, s), n_shards=3) for s in SCHEMAS}
+def ckpt(work, tiny_target):
+    info = read_gguf(tiny_target)
+    return {s: write_checkpoint(work / f"zlab-tiny-DSpark-{s}", tiny_config(info, s), n_shards=3,
+                                extra=d2t_tensors(s, info.n_vocab)) for s in SCHEMAS}
 
 
 @pytest.fixture(scope="module")
-def converted(work, ckpt, target):
+def converted(work, ckpt, tiny_target):
     cache = {}
 
     def get(schema, outtype):
         if (schema, outtype) not in cache:
             out = work / f"out/dspark-{schema}-{outtype}.gguf"
-            cache[schema, outtype] = convert_drafter(ckpt[schema], target, out, outtype).path
+            cache[schema, outtype] = convert_drafter(ckpt[schema], tiny_target, out, outtype).path
         return cache[schema, outtype]
 
     return get
@@ -78,10 +103,10 @@ def converted(work, ckpt, target):
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
-def test_f32_output_equals_upstreams_converter(work, ckpt, target, llama_cpp_src, schema):
-    ours_kv, ours_t = gguf_contents(convert_drafter(ckpt[schema], target, work / f"up-out/{schema}-ours.gguf",
-                                                    "f32").path)
-    up_kv, up_t = gguf_contents(upstream_convert(llama_cpp_src, ckpt[schema], target,
+def test_f32_output_equals_upstreams_converter(work, ckpt, tiny_target, llama_cpp_src, schema):
+    ours_kv, ours_t = gguf_contents(convert_drafter(ckpt[schema], tiny_target,
+                                                    work / f"up-out/{schema}-ours.gguf", "f32").path)
+    up_kv, up_t = gguf_contents(upstream_convert(llama_cpp_src, ckpt[schema], tiny_target,
                                                  work / f"up-out/{schema}-up.gguf"))
     assert set(up_kv) - set(ours_kv) == UPSTREAM_ONLY
     assert set(ours_kv) - set(up_kv) <= {"dflash.attention.causal"}
@@ -91,30 +116,38 @@ def test_f32_output_equals_upstreams_converter(work, ckpt, target, llama_cpp_src
     for name, (qtype, shape, data) in up_t.items():
         assert ours_t[name][:2] == (qtype, shape), name
         assert np.array_equal(ours_t[name][2], data), name
-    assert up_kv["dflash.sample_from_anchor"] == (schema != "speculators")
+    assert up_kv["dflash.sample_from_anchor"] == anchor_first(schema)
     assert up_kv["dflash.has_confidence_head"] == (schema != "no-confidence")
     assert up_kv["dflash.target_layers"] == [i + 1 for i in LAYER_IDS] and up_kv["dflash.block_size"] == BLOCK
     assert "markov_w1.weight" in up_t and ("conf_proj.bias" in up_t) == (schema != "no-confidence")
+    n_vocab = len(up_kv["tokenizer.ggml.tokens"])
+    if schema.endswith("-d2t"):  # the target ids themselves, the draft vocabulary's own head and Markov rows
+        assert np.array_equal(up_t["d2t"][2], draft_ids(schema, n_vocab))
+        assert up_t["output.weight"][1] == (64, N_DRAFT) and up_t["markov_w2.weight"][1] == (32, N_DRAFT)
+    else:  # the target's LM head, shared
+        assert "d2t" not in up_t and "output.weight" not in up_t and up_t["markov_w2.weight"][1] == (32, n_vocab)
+    assert up_t["markov_w1.weight"][1] == (32, n_vocab)
 
 
-def test_layout_pair_check_and_inspect(converted, target):
+def test_layout_pair_check_and_inspect(converted, tiny_target):
     info = read_gguf(converted("deepspec", "q8_0"))
-    spec = check_pair(read_gguf(target), info)
+    spec = check_pair(read_gguf(tiny_target), info)
     assert spec.anchor_first and spec.max_draft == BLOCK and spec.layers == [1, 2, 3]
     t = info.tensors
     assert t["markov_w1.weight"].shape == (32, info.n_vocab) and t["markov_w2.weight"].type == "Q8_0"
     assert t["conf_proj.weight"].shape == (64 + 32, 1) and t["conf_proj.bias"].type == "F32"
-    assert check_pair(read_gguf(target), read_gguf(converted("speculators", "f32"))).max_draft == BLOCK - 1
+    assert check_pair(read_gguf(tiny_target), read_gguf(converted("speculators", "f32"))).max_draft == BLOCK - 1
     path = converted("deepspec", "q8_0")
     run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(path)], capture_output=True, text=True,
                          check=True)
     assert (f"DSpark drafter: 2 layers, hidden 64, target layers (inputs) [1, 2, 3], block size {BLOCK}" in run.stdout)
     assert "Markov head of rank 32, a confidence head, anchor-first blocks" in run.stdout
-    run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(converted("speculators", "f32")),
+    run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(converted("speculators-d2t", "f32")),
                           "--json"], capture_output=True, text=True, check=True)
     d = json.loads(run.stdout)["dflash"]
     assert (d["variant"], d["markov_rank"], d["confidence_head"], d["sample_from_anchor"]) == ("DSpark", 32, True,
                                                                                               False)
+    assert d["draft_vocab"] == N_DRAFT and d["own_lm_head"]
 
 
 def _set(path: Path, edit) -> Path:
@@ -131,24 +164,24 @@ def _set(path: Path, edit) -> Path:
      "a DSpark tensor, but config.json says DFlash"),
     (lambda c: c.pop("target_layer_ids"), "dflash_config.target_layer_ids must be a non-empty list"),
 ], ids=["gated", "rank", "dflash-arch", "no-layers"])
-def test_bad_dspark_checkpoints_fail_clearly(work, ckpt, target, edit, message, request):
+def test_bad_dspark_checkpoints_fail_clearly(work, ckpt, tiny_target, edit, message, request):
     d = work / f"bad-{request.node.callspec.id}"
     shutil.copytree(ckpt["deepspec"], d)
     with pytest.raises(ConvertError, match=message):
-        convert_drafter(_set(d, edit), target, work / "bad-out" / "d.gguf", "f32")
+        convert_drafter(_set(d, edit), tiny_target, work / "bad-out" / "d.gguf", "f32")
     assert not (work / "bad-out").exists() or not any((work / "bad-out").iterdir())
 
 
-def test_a_confidence_head_without_the_markov_input_is_refused(work, target):
+def test_a_confidence_head_without_the_markov_input_is_refused(work, tiny_target):
     """llama.cpp's graph feeds the head [hidden ; Markov embedding]: a head over the hidden state alone (DeepSpec's
     confidence_head_with_markov false) cannot run there."""
-    info = read_gguf(target)
+    info = read_gguf(tiny_target)
     cfg = tiny_config(info, "no-confidence")
     d = write_checkpoint(work / "conf-hidden-only", cfg, n_shards=1, extra={
         "confidence_head.proj.weight": ("F32", np.zeros((1, 64), np.float32)),
         "confidence_head.proj.bias": ("F32", np.zeros(1, np.float32))})
     with pytest.raises(ConvertError, match=r"has shape \[1, 64\].*\[1, 96\]"):
-        convert_drafter(d, target, work / "conf-out" / "d.gguf", "f32")
+        convert_drafter(d, tiny_target, work / "conf-out" / "d.gguf", "f32")
 
 
 # -- the PyTorch drafter against llama.cpp's graph ---------------------------------------------------------------
@@ -179,19 +212,26 @@ def run_both(target, drafter_gguf, torch_source, prompts, n, steps=6):
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 @pytest.mark.parametrize("source", ["gguf", "checkpoint"])
-def test_f32_torch_equals_ggml(converted, ckpt, target, schema, source):
+def test_f32_torch_equals_ggml(converted, ckpt, tiny_target, schema, source):
     """torch, from the f32 GGUF and from the checkpoint folder: the same Markov-biased logits, confidences and
-    drafts as llama.cpp's graph, for full and shorter blocks."""
+    drafts as llama.cpp's graph, for full and shorter blocks. A reduced draft vocabulary: -inf on the same target
+    rows (those outside d2t), the drafts inside d2t."""
     path = converted(schema, "f32")
-    n_max = BLOCK if schema != "speculators" else BLOCK - 1
+    n_max = BLOCK if anchor_first(schema) else BLOCK - 1
     count = 0
-    for i, (d, logits, ref, last) in enumerate(run_both(target, path, path if source == "gguf" else ckpt[schema],
+    for i, (d, logits, ref, last) in enumerate(run_both(tiny_target, path,
+                                                        path if source == "gguf" else ckpt[schema],
                                                         make_prompts(3, seed=5), n=n_max)):
         want, conf = ref.dspark(last, n_max)
         want = want.numpy()
-        assert logits.shape == want.shape == (n_max, ref.head.shape[0])
-        assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 1e-4
+        n_vocab = ref.head.shape[0]
+        assert logits.shape == want.shape == (n_max, n_vocab)
+        allowed = np.isin(np.arange(n_vocab), draft_ids(schema, n_vocab))
+        assert np.array_equal(np.isfinite(logits), np.broadcast_to(allowed, logits.shape))
+        assert np.array_equal(np.isfinite(want), np.isfinite(logits))
+        assert np.linalg.norm(logits[:, allowed] - want[:, allowed]) / np.linalg.norm(want[:, allowed]) < 1e-4
         assert list(d.tokens) == want.argmax(1).tolist() == ref.draft([last], n_max)
+        assert allowed[list(d.tokens)].all()
         if schema == "no-confidence":
             assert conf is None and len(d.confidence) == 0
         else:
@@ -200,10 +240,10 @@ def test_f32_torch_equals_ggml(converted, ckpt, target, schema, source):
     assert count == 18
 
 
-def test_the_markov_head_changes_the_drafts(converted, target):
+def test_the_markov_head_changes_the_drafts(converted, tiny_target):
     """The bias is not a no-op on these weights: without it (the unbiased logits) the drafts differ."""
     differ = n = 0
-    for d, _, ref, last in run_both(target, converted("deepspec", "f32"), converted("deepspec", "f32"),
+    for d, _, ref, last in run_both(tiny_target, converted("deepspec", "f32"), converted("deepspec", "f32"),
                                     make_prompts(2, seed=7), n=BLOCK, steps=3):
         _, base = ref.hidden_and_logits(last, BLOCK)
         differ += sum(a != b for a, b in zip(d.tokens, base.argmax(1).tolist()))
@@ -211,14 +251,14 @@ def test_the_markov_head_changes_the_drafts(converted, target):
     assert differ / n > 0.2
 
 
-def test_q8_0_drafts_agree_with_torch(converted, target):
+def test_q8_0_drafts_agree_with_torch(converted, tiny_target):
     """A q8_0 GGUF run by torch (dequantized) and by llama.cpp: the same top-1 on >= 99% of the positions, compared
     slot by slot after the same previous drafts (the Markov chain would otherwise carry one flipped near-tie into
     every later slot); llama.cpp also rounds a q8_0 matmul's activations to 8 bits, so any disagreement must be a
     near-tie. Measured here: 99.7% of the slots, and 99.3% of the free-running drafts."""
     path = converted("deepspec", "q8_0")
     same = drafted = n = 0
-    for d, logits, ref, last in run_both(target, path, path, make_prompts(6, seed=6), n=BLOCK):
+    for d, logits, ref, last in run_both(tiny_target, path, path, make_prompts(6, seed=6), n=BLOCK):
         want = ref.dspark(last, BLOCK, given=list(d.tokens))[0].numpy()
         top2 = np.sort(want, axis=1)[:, -2:]
         rms = np.sqrt(np.mean((logits - want) ** 2, axis=1))
@@ -232,17 +272,43 @@ def test_q8_0_drafts_agree_with_torch(converted, target):
 # -- lossless drafting through the engine ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schema", ["deepspec", "speculators"])
-def test_tiny_engine_is_lossless(converted, ckpt, target, schema):
+class Recorded(Drafter):
+    """The engine's own drafter (llama.cpp's or torch's), keeping every token it drafts."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.tokens = inner, set()
+
+    def draft(self, tokens, k):
+        return self.draft_rated(tokens, k)[0]
+
+    def draft_rated(self, tokens, k):  # what the engine calls
+        d, ratings = self.inner.draft_rated(tokens, k)
+        self.tokens.update(d)
+        return d, ratings
+
+    def context(self):
+        return self.inner.context()
+
+    def crop(self, n):
+        self.inner.crop(n)
+
+    def extend(self, session, pos0, n):
+        self.inner.extend(session, pos0, n)
+
+
+@pytest.mark.parametrize("schema", ["deepspec", "speculators", "deepspec-d2t", "speculators-d2t"])
+def test_tiny_engine_is_lossless(converted, ckpt, tiny_target, schema):
     for drafter, backend, policy in [(converted(schema, "q8_0"), "ggml", "fixed"), (converted(schema, "f32"), "ggml",
                                                                                      "auto"), (ckpt[schema], "torch",
                                                                                                "fixed")]:
-        e = Engine(target, drafter, n_ctx=512, n_threads=1, draft_backend=backend, draft_policy=policy)
-        assert e.max_draft == (BLOCK if schema == "deepspec" else BLOCK - 1)
+        e = Engine(tiny_target, drafter, n_ctx=512, n_threads=1, draft_backend=backend, draft_policy=policy)
+        assert e.max_draft == (BLOCK if anchor_first(schema) else BLOCK - 1)
         for i, p in enumerate(make_prompts(6, seed=8)):
-            spec, base = e.complete(p, max_tokens=24), e.complete(p, max_tokens=24, draft=False)
+            rec = Recorded(e.drafter)
+            spec, base = e.complete(p, max_tokens=24, external_drafter=rec), e.complete(p, max_tokens=24, draft=False)
             assert spec.token_ids == base.token_ids, (backend, p)
             assert spec.summary.n_drafted > 0
+            assert rec.tokens <= set(draft_ids(schema, e.target.n_vocab).tolist()), (backend, p)
             kw = dict(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=100 + i)
             assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, (backend, p)
         if backend == "ggml":
@@ -331,8 +397,8 @@ class AlwaysDrafting(SteadyCosts):
 
 
 @pytest.mark.parametrize("variant", ["DSpark", "DFlash2"])
-def test_real_drafters_ratings_cut_their_blocks_losslessly(work, converted, target, variant):
-    info = read_gguf(target)
+def test_real_drafters_ratings_cut_their_blocks_losslessly(work, converted, tiny_target, variant):
+    info = read_gguf(tiny_target)
     if variant == "DSpark":
         path = converted("deepspec", "f32")
     else:
@@ -340,9 +406,9 @@ def test_real_drafters_ratings_cut_their_blocks_losslessly(work, converted, targ
                            num_target_layers=4, vocab_size=info.n_vocab,
                            mask_token_id=info.kv["tokenizer.ggml.mask_token_id"], block_size=BLOCK, selector_rank=16,
                            selector_top_k=6)
-        path = convert_drafter(write_checkpoint(work / "policy-DFlash2", cfg), target, work / "out/policy-d2.gguf",
-                               "f32").path
-    e = Engine(target, path, n_ctx=1024, n_threads=1, draft_policy="auto")
+        path = convert_drafter(write_checkpoint(work / "policy-DFlash2", cfg), tiny_target,
+                               work / "out/policy-d2.gguf", "f32").path
+    e = Engine(tiny_target, path, n_ctx=1024, n_threads=1, draft_policy="auto")
     e._policy = AlwaysDrafting(e.max_draft)
     steps = []
     for p in make_prompts(4, seed=13):

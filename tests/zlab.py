@@ -25,7 +25,8 @@ import numpy as np
 
 # -- safetensors, written and read without the converter's code ----------------------------------------------------
 
-_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I64": np.dtype("<i8")}
+_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"),
+              "BOOL": np.dtype("?")}
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -61,7 +62,7 @@ def write_safetensors(path, entries) -> None:
 
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
-    """Every tensor of a file: floats as float32, integers as they are."""
+    """Every tensor of a file: floats as float32, integers and booleans as they are."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -72,7 +73,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
             continue
         b, end = e["data_offsets"]
         a = np.frombuffer(data[b:end], dtype=_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
-        out[name] = from_bf16_bits(a) if e["dtype"] == "BF16" else a.astype(np.float32) if e["dtype"] != "I64" else a
+        out[name] = from_bf16_bits(a) if e["dtype"] == "BF16" else a if a.dtype.kind in "ib" else a.astype(np.float32)
     return out
 
 
@@ -165,18 +166,22 @@ def zlab_gemma4_config(*, sliding_window=2048, n_full=1, final_logit_softcapping
     return cfg
 
 
-def dspark_config(*, markov_rank=16, confidence=True, schema="deepspec", **kw) -> dict:
+def dspark_config(*, markov_rank=16, confidence=True, schema="deepspec", draft_vocab_size=None, **kw) -> dict:
     """config.json of a DSpark drafter. schema "deepspec": as deepseek-ai's published dspark_* checkpoints
     (DSparkDraftModel, Qwen3 fields, block_size, target_layer_ids and mask_token_id at the top level, markov_rank,
     markov_head_type vanilla, enable_confidence_head, confidence_head_with_markov; anchor-first blocks).
     "speculators": the EAGLE3-style export (a nested transformer_layer_config, 1-based aux_hidden_state_layer_ids;
-    drafts after a bonus anchor slot)."""
+    drafts after a bonus anchor slot). draft_vocab_size (top level in both, where upstream's converter reads it): a
+    reduced draft vocabulary, with its own lm_head and markov_w2 of that many rows; the checkpoint then also needs
+    the d2t (and t2d) tensors, given to write_checkpoint as `extra`."""
     cfg = zlab_config(**kw)
     dc = cfg.pop("dflash_config")
     del cfg["auto_map"]
     cfg["architectures"] = ["DSparkDraftModel"]
     heads = {"markov_rank": markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": confidence,
              "confidence_head_with_markov": True}
+    if draft_vocab_size is not None:
+        heads["draft_vocab_size"] = draft_vocab_size
     if schema == "deepspec":
         return {**cfg, "target_layer_ids": dc["target_layer_ids"], "mask_token_id": dc["mask_token_id"], **heads}
     top = ("architectures", "block_size", "dtype", "transformers_version")
@@ -195,7 +200,10 @@ def _flat(cfg: dict) -> dict:
 
 def _dspark_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, v, r = cfg["hidden_size"], cfg["vocab_size"], cfg["markov_rank"]
-    out = [("markov_head.markov_w1.weight", (v, r)), ("markov_head.markov_w2.weight", (v, r))]
+    n_draft = cfg.get("draft_vocab_size") or v  # w1 embeds any target token, w2 scores the draft vocabulary
+    out = [("markov_head.markov_w1.weight", (v, r)), ("markov_head.markov_w2.weight", (n_draft, r))]
+    if n_draft < v:
+        out.append(("lm_head.weight", (n_draft, h)))
     if cfg["enable_confidence_head"]:
         out += [("confidence_head.proj.weight", (1, h + r)), ("confidence_head.proj.bias", (1,))]
     return out
