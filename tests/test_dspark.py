@@ -252,21 +252,25 @@ def test_the_markov_head_changes_the_drafts(converted, tiny_target):
 
 
 def test_q8_0_drafts_agree_with_torch(converted, tiny_target):
-    """A q8_0 GGUF run by torch (dequantized) and by llama.cpp: the same top-1 on >= 99% of the positions, compared
-    slot by slot after the same previous drafts (the Markov chain would otherwise carry one flipped near-tie into
-    every later slot); llama.cpp also rounds a q8_0 matmul's activations to 8 bits, so any disagreement must be a
-    near-tie. Measured here: 99.7% of the slots, and 99.3% of the free-running drafts."""
+    """A q8_0 GGUF run by torch (dequantized) and by llama.cpp, compared slot by slot after the same previous drafts
+    (the Markov chain would otherwise carry one flipped near-tie into every later slot). llama.cpp also rounds a
+    q8_0 matmul's activations to 8 bits, which decides near-ties of this random-weight drafter's logits, and how
+    depends on the CPU's kernels (measured: 99.7% of the slots the same with AVX-512, 98.6% with AVX2 only): as for
+    DFlash2 (test_dflash2.py), the same top-1 on >= 99% of the slots with a clear winner (top-2 gap > 3x the row's
+    RMS error), every disagreement a near-tie, and >= 95% of all slots and free-running drafts the same."""
     path = converted("deepspec", "q8_0")
-    same = drafted = n = 0
+    same = clear = agree = drafted = n = 0
     for d, logits, ref, last in run_both(tiny_target, path, path, make_prompts(6, seed=6), n=BLOCK):
         want = ref.dspark(last, BLOCK, given=list(d.tokens))[0].numpy()
         top2 = np.sort(want, axis=1)[:, -2:]
         rms = np.sqrt(np.mean((logits - want) ** 2, axis=1))
+        rows = top2[:, 1] - top2[:, 0] > 3 * rms
         hit = logits.argmax(1) == want.argmax(1)
-        assert np.all(hit | (top2[:, 1] - top2[:, 0] < 3 * rms))
-        same, n = same + hit.sum(), n + len(hit)
+        assert np.all(hit | ~rows)
+        same, clear, agree, n = same + hit.sum(), clear + rows.sum(), agree + hit[rows].sum(), n + len(hit)
         drafted += sum(a == b for a, b in zip(d.tokens, ref.draft([last], BLOCK)))
-    assert same / n >= 0.99 and drafted / n >= 0.98, (same / n, drafted / n)
+    assert clear / n >= 0.8 and agree / clear >= 0.99, (clear / n, agree / clear)
+    assert same / n >= 0.95 and drafted / n >= 0.95, (same / n, drafted / n)
 
 
 # -- lossless drafting through the engine ---------------------------------------------------------------------------
