@@ -327,6 +327,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-np", "--parallel", type=int, default=16, help="continuations decoded side by side in one target "
                    "batch while making data (default 16)")
     p.add_argument("--max-new", type=int, default=192, help="tokens per continuation (default 192)")
+    p.add_argument("--text-samples", type=int, default=0, help="corpus passages (up to 512 tokens) the target reads "
+                   "rather than continues, for more data per hour: labelled where the text agrees with the target "
+                   "(default 0)")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")

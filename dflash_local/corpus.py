@@ -53,15 +53,17 @@ OPENERS = {
 }
 
 
-def code_snippets(path: Path, text: str, rng: random.Random) -> list[str]:
+def code_snippets(path: Path, text: str, rng: random.Random, passages: bool = False) -> list[str]:
+    """A definition line and 0-3 lines after it (passages: 20-60 lines after it)."""
     opener = OPENERS[path.suffix]  # a definition line, by the file's language
     lines = text.splitlines()
-    return ["\n".join(lines[i : i + 1 + rng.randint(0, 3)]) + "\n"
+    lo, hi = (20, 60) if passages else (0, 3)
+    return ["\n".join(lines[i : i + 1 + rng.randint(lo, hi)]) + "\n"
             for i, line in enumerate(lines) if len(line) < 120 and opener.match(line)]
 
 
-def prose_snippets(text: str, rng: random.Random) -> list[str]:
-    """The first 6-40 words of each paragraph that reads as prose."""
+def prose_snippets(text: str, rng: random.Random, passages: bool = False) -> list[str]:
+    """The first 6-40 words of each paragraph that reads as prose (passages: up to 400 words of it)."""
     out = []
     for para in re.split(r"\n\s*\n", text):
         para = " ".join(para.split())
@@ -69,7 +71,7 @@ def prose_snippets(text: str, rng: random.Random) -> list[str]:
         wordy = sum(w.strip(".,;:!?'\"()").isalpha() for w in words)
         if len(para) < 120 or wordy < 0.9 * len(words) or para.startswith(("#", "|", "..", ">>>", "*", "-", "@")):
             continue
-        out.append(" ".join(words[: rng.randint(6, min(40, len(words)))]))
+        out.append(" ".join(words[: 400 if passages else rng.randint(6, min(40, len(words)))]))
     return out
 
 
@@ -228,7 +230,7 @@ PROSE_SOURCES = (description_files, man_files, readme_files)
 PER_SOURCE = 20000  # prompts taken from each source at most: a sample of its files, read in shuffled order
 
 
-def gather(files, kind: str, seed: int, seen: set[str]) -> list[Prompt]:
+def gather(files, kind: str, seed: int, seen: set[str], passages: bool = False) -> list[Prompt]:
     files = list(files)
     random.Random(seed).shuffle(files)
     rng, out = random.Random(seed), []
@@ -236,7 +238,7 @@ def gather(files, kind: str, seed: int, seen: set[str]) -> list[Prompt]:
         text, lic = read()
         if not text or lic is None:  # unreadable, or not from a package whose licence we know
             continue
-        found = code_snippets(path, text, rng) if kind == "code" else prose_snippets(text, rng)
+        found = code_snippets(path, text, rng, passages) if kind == "code" else prose_snippets(text, rng, passages)
         for s in found:
             key = " ".join(s.split())
             if key not in seen:
@@ -248,12 +250,13 @@ def gather(files, kind: str, seed: int, seen: set[str]) -> list[Prompt]:
     return out[:PER_SOURCE]
 
 
-def default_corpus(seed: int = 0) -> list[Prompt]:
+def default_corpus(seed: int = 0, passages: bool = False) -> list[Prompt]:
     """Each source's prompts, deduplicated, interleaved: code and prose alternate, and within each the sources take
-    turns, so any prefix of the list mixes them all."""
+    turns, so any prefix of the list mixes them all. passages: longer texts from the same files (20-60 lines of code
+    after a definition line, whole paragraphs of prose), which the target reads rather than continues."""
     seen: set[str] = set()
-    code = interleave([gather(f(), "code", seed + i, seen) for i, f in enumerate(CODE_SOURCES)])
-    prose = interleave([gather(f(), "prose", seed + i, seen) for i, f in enumerate(PROSE_SOURCES)])
+    code = interleave([gather(f(), "code", seed + i, seen, passages) for i, f in enumerate(CODE_SOURCES)])
+    prose = interleave([gather(f(), "prose", seed + i, seen, passages) for i, f in enumerate(PROSE_SOURCES)])
     return interleave([code, prose])
 
 
@@ -280,13 +283,14 @@ def read_corpus(path: str | Path) -> list[str]:
     return prompts
 
 
-def training_prompts(corpus: str | Path | None = None, seed: int = 0) -> list[str]:
-    """The prompts in a fixed shuffled order (so that a resumed run continues where it stopped)."""
+def training_prompts(corpus: str | Path | None = None, seed: int = 0, passages: bool = False) -> list[str]:
+    """The prompts (or passages) in a fixed shuffled order (so that a resumed run continues where it stopped). A
+    --corpus file's texts serve as both."""
     if corpus is not None:
         prompts = read_corpus(corpus)
-        random.Random(seed).shuffle(prompts)
+        random.Random(seed + passages).shuffle(prompts)
         return prompts
-    return [p.text for p in default_corpus(seed)]
+    return [p.text for p in default_corpus(seed, passages)]
 
 
 def write_corpus(path: str | Path, seed: int = 0) -> list[Prompt]:

@@ -1,15 +1,19 @@
 """`dflash-local train`: a DFlash drafter for any GGUF target, taught by the target itself.
 
-1. Data (traindata.py): the target's greedy continuations of corpus prompts, with its hidden states at the chosen
-   layers, through the same native feature export the engine drafts with.
+1. Data (traindata.py): the target's greedy continuations of corpus prompts, and (--text-samples) longer corpus
+   passages the target only reads, with its hidden states at the chosen layers through the same native feature
+   export the engine drafts with, and its most likely next tokens after every position.
 2. Training, the DFlash recipe: the drafter caches K/V of the fused target features of the context; blocks
-   [anchor, mask x (B-1)] anchored at random positions of the continuations attend to the context before their anchor
-   and, bidirectionally, to their own block; cross-entropy against the target's tokens, weighted exp(-(k-1)/7) at
-   block position k. Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded
+   [anchor, mask x (B-1)] anchored at random positions attend to the context before their anchor and,
+   bidirectionally, to their own block; cross-entropy against the target's own greedy tokens, weighted
+   exp(-(k-1)/7) at block position k. The label at block position k is the target's next token after position
+   anchor + k - 1, which is its greedy continuation of the anchor as long as the tokens between are its own: always
+   in a continuation, where the text agrees with it in a prompt or passage (elsewhere the position is not trained). Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded
    into fc at export, so the exported drafter reads raw features as llama.cpp's graph feeds them.
 3. Validation every --eval-every steps: the real engine drafts with the exported GGUF on held-out prompts (corpus
    prompts after the training ones) and reports the mean acceptance length.
-4. Export: a z-lab checkpoint folder (`zlab/`) and a GGUF through the converter (`drafter-<outtype>.gguf`).
+4. Export: a z-lab checkpoint folder (`zlab/`) and a GGUF through the converter (`drafter-<outtype>.gguf`), from the
+   checkpoint with the best held-out acceptance (`best.pt`), or the last one where no validation ran.
 
 Everything lives in --out; checkpoint.pt is saved every --save-every steps and on Ctrl-C, and running the same command
 again resumes (data, then training) where it stopped.
@@ -46,6 +50,7 @@ from .traindata import Sample, from_bf16, load_sample, make_data
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
 SHAPE_FIELDS = ("variant", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new",
                 "seed")
+PASSAGE_TOKENS = 512  # a passage's tokens at most: one target batch
 # a DFlash2 drafter's convolution and candidate selector (z-lab's names, in dflash_config)
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 4}
 
@@ -63,6 +68,7 @@ class TrainConfig:
     corpus: str | None = None
     samples: int = 800
     max_new: int = 192
+    text_samples: int = 0  # corpus passages read (teacher-forced) by the target, besides the continuations
     parallel: int = 16  # continuations decoded side by side while making data
     steps: int = 3000
     batch: int = 4  # sequences per step
@@ -92,11 +98,12 @@ def position_weights(block_size: int) -> torch.Tensor:
 
 
 def draft_vocabulary(samples: list[Sample], n_vocab: int, n: int, prior: np.ndarray | None = None) -> np.ndarray:
-    """The n target tokens most frequent in the continuations, sorted by id. Tokens the data never shows are ranked
-    by `prior` (the tokenizer's scores, which rank tokens by frequency in its own corpus), else lower ids first."""
+    """The n target tokens the target predicts most often in the data (its greedy next tokens, the labels), sorted
+    by id. Tokens the data never shows are ranked by `prior` (the tokenizer's scores, which rank tokens by frequency
+    in its own corpus), else lower ids first."""
     counts = np.zeros(n_vocab, dtype=np.int64)
     for s in samples:
-        np.add.at(counts, s.tokens[s.n_prompt :], 1)
+        np.add.at(counts, s.top_ids[:, 0], 1)
     prior = -np.arange(n_vocab, dtype=np.float64) if prior is None else prior
     return np.sort(np.lexsort((-prior, -counts))[:n])
 
@@ -120,11 +127,11 @@ def feature_scale(samples: list[Sample], rng: np.random.Generator, rows: int = 5
 def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, row_of: torch.Tensor,
                   label_of: torch.Tensor, s: Sample, scale: torch.Tensor, n_anchors: int, rng: np.random.Generator,
                   weights: torch.Tensor, soft: float = 0.0) -> Batch | None:
-    """Weighted cross-entropy of up to n_anchors blocks anchored at random positions of one sample's continuation;
-    with soft > 0, that share of it against the target's own distribution (its top 8, as the data stores it)."""
+    """Weighted cross-entropy of up to n_anchors blocks anchored at random positions of one sample; with soft > 0,
+    that share of it against the target's own distribution (its top 8, as the data stores it)."""
     B = model.shape.block_size
     n = len(s.tokens)
-    candidates = np.arange(s.n_prompt, n - 1)  # an anchor is a generated token with at least one token after it
+    candidates = np.arange(1, n - 1)  # an anchor has context before it and a label after it
     if len(candidates) == 0:
         return None
     anchors = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
@@ -144,17 +151,21 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     h = h.view(nb, B, -1)[:, 1:]
 
     target_pos = pos[:, 1:]
-    valid = target_pos < n
-    labels = label_of[tokens[target_pos.clamp(max=n - 1)]]  # draft-vocabulary index, -1 outside it
-    labels = torch.where(valid, labels, -1)
+    rows = target_pos.clamp(max=n - 1) - 1  # the label of position p is the target's next token after p - 1
+    greedy = torch.from_numpy(s.top_ids[:, 0].astype(np.int64)).to(dev)
+    own = tokens[1:] == greedy  # [n - 1]: the token after each position is the target's own
+    # the target's greedy continuation of the anchor while the tokens between the anchor and the label are its own
+    on_path = torch.cumprod(torch.cat([torch.ones_like(own[rows[:, :1]]), own[rows[:, :-1]]], 1).int(), 1).bool()
+    labels = label_of[greedy[rows]]  # draft-vocabulary index, -1 outside it
+    labels = torch.where((target_pos < n) & on_path, labels, -1)
     logits = h @ head.T
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1, reduction="none").view(nb, B - 1)
     if soft > 0:
-        ce = (1 - soft) * ce + soft * soft_cross_entropy(logits, s, target_pos.clamp(max=n - 1) - 1, label_of)
+        ce = (1 - soft) * ce + soft * soft_cross_entropy(logits, s, rows, label_of)
     w = weights[None, :].to(dev) * (labels >= 0)
     right = (logits.argmax(-1) == labels) & (labels >= 0)
     if model.selector is not None:
-        ce_sel, right = selector_loss(model, h, logits, tokens[target_pos.clamp(max=n - 1) - 1], labels)
+        ce_sel, right = selector_loss(model, h, logits, tokens[rows], labels)
         ce = ce + ce_sel
     accepted = torch.cumprod(right.int(), 1).sum(1)
     return Batch((ce * w).sum(), float(w.sum()), accepted.tolist())
@@ -228,6 +239,8 @@ class Trainer:
             raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
         if not 0 <= cfg.soft <= 1:
             raise ValueError(f"--soft-labels must be between 0 and 1, got {cfg.soft}")
+        if cfg.text_samples < 0:
+            raise ValueError(f"--text-samples must be 0 or more, got {cfg.text_samples}")
         if not 1 <= cfg.parallel <= 256:
             raise ValueError(f"-np/--parallel must be between 1 and 256 (llama.cpp's sequences), got {cfg.parallel}")
         self._full_head = None
@@ -257,13 +270,22 @@ class Trainer:
         cfg = self.cfg
         t0, done = time.perf_counter(), [0]  # tokens made by this run
 
-        def progress(i, n_new):
+        def progress(i, n_new, what="sample", total=cfg.samples):
             done[0] += n_new
             rate = done[0] / (time.perf_counter() - t0)
-            self.log(f"data: sample {i + 1}/{cfg.samples}, {n_new} tokens ({rate:.0f} tokens/s)")
+            self.log(f"data: {what} {i + 1}/{total}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
                           n_parallel=cfg.parallel, progress=progress, placement=Placement(**cfg.placement))
+        if cfg.text_samples:
+            from .corpus import training_prompts
+
+            t0, done[0] = time.perf_counter(), 0
+            passages = training_prompts(cfg.corpus, cfg.seed, passages=True)
+            paths += make_data(cfg.target, self.out / "data-text", cfg.target_layers, passages, cfg.text_samples, 0,
+                               n_prompt_max=PASSAGE_TOKENS, n_parallel=cfg.parallel,
+                               progress=lambda i, n: progress(i, n, "passage", cfg.text_samples),
+                               placement=Placement(**cfg.placement))
         return [load_sample(p) for p in paths]
 
     # -- model ------------------------------------------------------------------------------------------------------
@@ -379,7 +401,8 @@ class Trainer:
         emb, row_of, scale = (x.to(self.device) for x in (emb, row_of, scale))
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         step = 0
-        ckpt = self.out / "checkpoint.pt"
+        ckpt, best = self.out / "checkpoint.pt", self.out / "best.pt"
+        best_tau = torch.load(best, weights_only=False)["tau"] if best.exists() else -1.0
         if ckpt.exists():
             state = torch.load(ckpt, map_location=self.device, weights_only=False)
             model.load_state_dict(state["model"])
@@ -437,16 +460,25 @@ class Trainer:
                     model.eval()
                     v = self.validate(model, scale, held_out)
                     model.train()
-                    bar.write(f"step {step}: held-out mean acceptance length {v['mean_acceptance_length']:.2f} "
+                    tau = v["mean_acceptance_length"]
+                    bar.write(f"step {step}: held-out mean acceptance length {tau:.2f} "
                               f"(engine, {len(held_out)} prompts, {cfg.eval_tokens} tokens each)")
                     with open(history, "a") as f:
                         f.write(json.dumps({"step": step, "eval": v}) + "\n")
+                    if tau > best_tau:  # the drafter that is exported in the end
+                        best_tau = tau
+                        with atomic_output(best) as tmp:
+                            torch.save({"model": model.state_dict(), "step": step, "tau": tau}, tmp)
         except KeyboardInterrupt:
             save()
             bar.close()
             self.log(f"interrupted: saved step {step} to {ckpt}; run the same command to resume")
             raise
         bar.close()
+        if best.exists():
+            state = torch.load(best, map_location=self.device, weights_only=False)
+            model.load_state_dict(state["model"])
+            self.log(f"exporting step {state['step']}, the best held-out mean acceptance length ({state['tau']:.2f})")
         model.eval()
         out = self.export(model, scale, self.out / f"drafter-{cfg.outtype}.gguf", cfg.outtype, self.out / "zlab")
         self.log(f"wrote {self.out / 'zlab'} (z-lab checkpoint) and {out}")
@@ -462,7 +494,8 @@ def run_train(args) -> int:
         target=str(args.target or default_target()), out=args.out, variant=args.variant, n_layer=args.layers,
         n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
-        samples=args.samples, max_new=args.max_new, parallel=args.parallel, steps=args.steps, batch=args.batch,
+        samples=args.samples, max_new=args.max_new, text_samples=args.text_samples, parallel=args.parallel,
+        steps=args.steps, batch=args.batch,
         anchors=args.anchors,
         lr=args.lr, soft=args.soft_labels, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,

@@ -4,7 +4,10 @@ of the selected layers at every position (the native feature export, as the engi
 Several prompts are decoded side by side, one sequence each in a shared cache, and every target batch holds one row
 per running sequence (plus the prompts of those just started): a batch of 16 rows costs a few single decodes, so the
 data stage makes several times more tokens per hour than decoding one prompt at a time (README, "Training").
-A finished sequence's slot takes the next prompt at once (continuous batching).
+A finished sequence's slot takes the next prompt at once (continuous batching). With max_new = 0 the target only
+reads the texts (passages), teacher-forced: each is one batch of rows, about 3x the tokens per CPU-second of
+continuing prompts on this CPU, and the target's own next token after each position still gives exact labels
+wherever the text so far agrees with it (train.py).
 
 One sample per file, `DIR/sample-NNNNNN.npz`: `prompt` (its text), `tokens` (prompt + continuation, int32),
 `n_prompt`, `features` [len(tokens) - 1, n_layers * n_embd] as bfloat16 bits (uint16: gemma's hidden states exceed
@@ -127,7 +130,7 @@ def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: 
             off += n
             r.fresh = False
             nxt = int(top_ids[off - 1, 0])
-            if model.is_eog(nxt):  # the end-of-generation token is never drafted: it is not kept
+            if model.is_eog(nxt) or max_new == 0:  # the end-of-generation token is never drafted: it is not kept
                 done = True
             else:
                 r.tokens.append(nxt)
@@ -182,5 +185,5 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
         for i, s in generate(session, model, todo, n_parallel, max_new, n_prompt_max):
             save_sample(sample_path(folder, i), s)
             if progress:
-                progress(i, len(s.tokens) - s.n_prompt)
+                progress(i, len(s.tokens) - s.n_prompt if max_new else len(s.tokens))  # passages: tokens read
     return [sample_path(folder, i) for i in range(n_samples)]

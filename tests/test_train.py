@@ -50,7 +50,8 @@ def load_run(out):
     samples = [load_sample(p) for p in sorted((out / "data").glob("sample-*.npz"))]
     model, emb, row_of, _ = tr.build(samples, np.random.default_rng(0))
     state = torch.load(out / "checkpoint.pt", weights_only=False)
-    model.load_state_dict(state["model"])
+    best = out / "best.pt"  # the weights exported: the best validated step's
+    model.load_state_dict(torch.load(best, weights_only=False)["model"] if best.exists() else state["model"])
     label_of = label_index(model, tr.target_info.n_vocab)
     return tr, model.eval(), emb, row_of, label_of, state["scale"], samples, state["step"]
 
@@ -196,7 +197,7 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     tr, model, emb, row_of, label_of, scale, samples, _ = load_run(out)
     s = samples[1]
     B = model.shape.block_size
-    anchors = [s.n_prompt, s.n_prompt + 4, s.n_prompt + 11]
+    anchors = [1, s.n_prompt, s.n_prompt + 4, s.n_prompt + 11]  # the first in the prompt
     alone = []
     with torch.no_grad():
         for a in anchors:
@@ -209,18 +210,27 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
                 return np.array(anchors)
 
         weights = torch.ones(B - 1)
-        b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 3, Pick(), weights)
-        labels = label_of[torch.from_numpy(s.tokens[[a + k for a in anchors for k in range(1, B)]].astype(np.int64))]
+        b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(), weights)
+        # the target's greedy continuation of each anchor: its next token after each position, for as long as the
+        # tokens in between are its own (in the continuation always; in the prompt only where it agrees)
+        labels = []
+        for a in anchors:
+            own = True
+            for k in range(1, B):
+                labels.append(int(label_of[int(s.top_ids[a + k - 1, 0])]) if own else -1)
+                own = own and int(s.tokens[a + k]) == int(s.top_ids[a + k - 1, 0])
+        labels = torch.tensor(labels)
+        assert (labels[: B - 1] < 0).any() and (labels[B - 1 :] >= 0).sum() > 0  # this prompt strays from the target
         logits = torch.cat(alone)
         ok = labels >= 0
         ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum")
     assert float(b.loss) == pytest.approx(float(ce), rel=1e-4)
-    right = (logits.argmax(-1) == labels).view(3, B - 1).int()
+    right = (logits.argmax(-1) == labels).view(4, B - 1).int()
     assert b.accepted == torch.cumprod(right, 1).sum(1).tolist()
     # soft labels: the target's top tokens after the position before each label, renormalised over the draft
     # vocabulary, mixed in at the given share
     with torch.no_grad():
-        soft = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 3, Pick(), weights, 0.25)
+        soft = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(), weights, 0.25)
         rows = [a + k - 1 for a in anchors for k in range(1, B)]
         d = label_of[torch.from_numpy(s.top_ids[rows]).long()]
         p = torch.softmax(torch.from_numpy(s.top_logprobs[rows].astype(np.float32)).masked_fill(d < 0, -torch.inf), -1)
@@ -231,12 +241,47 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     assert float(soft.loss) == pytest.approx(float(expect), rel=1e-4)
 
 
-def test_draft_vocabulary_keeps_the_most_frequent_continuation_tokens():
-    s = [Sample(np.array([9, 9, 1, 1, 1, 2, 3, 3], dtype=np.int32), 2, np.zeros((7, 4), np.uint16))]
-    assert draft_vocabulary(s, 10, 2).tolist() == [1, 3]  # prompt tokens (9) do not count
-    assert draft_vocabulary(s, 10, 4).tolist() == [0, 1, 2, 3]  # then the lowest ids
+def test_passages_are_read_by_the_target_and_the_best_validated_drafter_is_exported(tmp_path, tiny_target, corpus):
+    out = tmp_path / "run"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS + ["--steps", "30"]
+    args[args.index("--samples") + 1] = "4"
+    args[args.index("--eval-every") + 1] = "10"
+    assert main(args + ["--text-samples", "5"]) == 0
+    # a passage is the text itself, read in one batch: features and the target's next tokens after every position
+    e = Engine(tiny_target, None, n_ctx=512)
+    passages = training_prompts(corpus, seed=0, passages=True)
+    assert passages != training_prompts(corpus, seed=0)  # another order than the continued prompts
+    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False)
+    for i in range(5):
+        s = load_sample(out / "data-text" / f"sample-{i:06d}.npz")
+        assert s.tokens.tolist() == e.prompt_tokens(passages[i])[:512] and s.n_prompt == len(s.tokens)
+        assert len(s.features) == len(s.top_ids) == len(s.tokens) - 1
+        sess.truncate(0)
+        sess.prefill([int(t) for t in s.tokens[:-1]], SamplingParams().native(), 0)
+        f = sess.features()
+        np.testing.assert_allclose(s.features_f32(), f, rtol=2**-8, atol=1e-3 * np.abs(f).max())
+        assert s.top_ids[-1, 0] == int(np.argmax(sess.logits(-1)))
+    assert json.loads((out / "data-text" / "meta.json").read_text())["max_new"] == 0
+    # validated at steps 10, 20 and 30; the export holds the weights of the best of them
+    log = [json.loads(x) for x in (out / "train.log.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval"]["mean_acceptance_length"] for r in log if "eval" in r}
+    assert list(evals) == [10, 20, 30]
+    best = torch.load(out / "best.pt", weights_only=False)
+    assert best["tau"] == max(evals.values()) and best["step"] == min(k for k, v in evals.items() if v == best["tau"])
+    exported = TorchDraftBackend.load(out / "drafter-f16.gguf", tiny_target).model.state_dict()
+    for name in ("lm_head", *sorted(k for k in best["model"] if k.startswith("layers.0."))):
+        np.testing.assert_allclose(exported[name].float(), best["model"][name].float(), rtol=2e-3, atol=2e-3)
+    assert main(args + ["--text-samples", "-1", "-o", str(tmp_path / "bad")]) == 2
+
+
+def test_draft_vocabulary_keeps_the_tokens_the_target_predicts_most():
+    tokens = np.array([9, 9, 1, 1, 1, 2, 3, 3], dtype=np.int32)
+    greedy = np.array([[5], [1], [1], [1], [2], [3], [3]], dtype=np.int32)  # its next token after each position
+    s = [Sample(tokens, 2, np.zeros((7, 4), np.uint16), top_ids=greedy)]
+    assert draft_vocabulary(s, 10, 2).tolist() == [1, 3]  # what the text holds (9) does not count, only the labels
+    assert draft_vocabulary(s, 10, 5).tolist() == [0, 1, 2, 3, 5]  # then the lowest ids
     prior = np.array([0, 0, 0, 0, 0, 0, 0, 0, 5, 9], dtype=float)
-    assert draft_vocabulary(s, 10, 4, prior).tolist() == [1, 2, 3, 9]  # or the tokenizer's scores
+    assert draft_vocabulary(s, 10, 5, prior).tolist() == [1, 2, 3, 5, 9]  # or the tokenizer's scores
 
 
 def test_default_corpus_has_many_languages_provenance_and_licences_and_is_reproducible(tmp_path):
