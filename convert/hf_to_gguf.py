@@ -54,7 +54,7 @@ def check_against_target(c: DrafterConfig, target: GGUFInfo, warn) -> int:
         raise ConvertError(f"{name}: no general.architecture: not a model GGUF")
     if target.arch == "dflash":
         raise ConvertError(f"{name} is a DFlash drafter; --target must be the target model the drafter serves")
-    n_vocab, n_embd, n_layer = target.n_vocab, target.get("embedding_length"), target.get("block_count")
+    n_vocab, n_embd, n_layer = target.n_vocab, target.get("embedding_length"), target.n_layer
     if not n_vocab or not n_embd or not n_layer:
         raise ConvertError(f"{name}: missing tokenizer, embedding_length or block_count metadata")
     if c.hidden != n_embd:

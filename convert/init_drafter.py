@@ -45,7 +45,7 @@ def init_drafter(
     t = read_gguf(target_path)
     arch = t.arch
     n_embd = t.get("embedding_length")
-    t_layers = t.get("block_count")
+    t_layers = t.n_layer
     n_head = n_head or t.get("attention.head_count")
     n_head_kv = n_head_kv or t.get("attention.head_count_kv") or n_head
     head_dim = head_dim or t.get("attention.key_length") or n_embd // n_head

@@ -247,11 +247,15 @@ def cmd_generate(args) -> int:
                             "draft_ms": s.draft_ms,
                             "verify_ms": s.verify_ms,
                             "rollback_ms": s.rollback_ms,
+                            "n_rollbacks": s.n_rollbacks,
+                            "n_checkpoint_rollbacks": s.n_checkpoint_rollbacks,
                             "other_ms": s.other_ms,
                             "steps": s.steps,
                             "n_prompt": s.n_prompt,
                             "prompt_ms": s.prompt_ms,
                             "acceptance_rate": s.acceptance_rate,
+                            "accepted_at": s.accepted_at,
+                            "drafted_at": s.drafted_at,
                             "drafting": s.drafting,
                         }
                     )

@@ -249,7 +249,8 @@ class Engine:
         """What is where: the settings llama.cpp got and the GPU layers they come to."""
         info = self.placement.describe()
         gpus = _native.gpu_devices()
-        n_slots = self.target.n_layer + 1  # llama.cpp counts the output layer as one more (-ngl n_layer + 1: all)
+        # llama.cpp's -ngl slots: every block (MTP layers included, which the graph does not run) and the output
+        n_slots = self.target_info.get("block_count") + 1
         ngl = self.target.n_gpu_layers
         info["gpu_devices"] = gpus
         info["target_layers_on_gpu"] = (min(n_slots, ngl) if ngl >= 0 else n_slots) if gpus else 0

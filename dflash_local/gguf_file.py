@@ -62,6 +62,12 @@ class GGUFInfo:
         return self.kv.get(f"{self.arch}.{key}", default)
 
     @property
+    def n_layer(self) -> int:
+        """The layers the target's graph runs, as llama.cpp's llama_model_n_layer counts them: block_count less the
+        multi-token-prediction (nextn) layers upstream's converter appends (Qwen3.5, GLM-4.5, DeepSeek-V3, ...)."""
+        return (self.get("block_count") or 0) - (self.get("nextn_predict_layers") or 0)
+
+    @property
     def n_vocab(self) -> int:
         tokens = self.kv.get("tokenizer.ggml.tokens")
         return tokens.length if isinstance(tokens, ArrayInfo) else 0

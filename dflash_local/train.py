@@ -230,7 +230,7 @@ class Trainer:
         self.target_info = read_gguf(cfg.target)
         t = self.target_info
         if cfg.target_layers is None:
-            cfg.target_layers = default_target_layers(t.get("block_count"), cfg.n_layer)
+            cfg.target_layers = default_target_layers(t.n_layer, cfg.n_layer)
         if cfg.draft_vocab is None and t.n_vocab > 65536:
             cfg.draft_vocab = 16384
         if cfg.draft_vocab is not None and not 1 <= cfg.draft_vocab <= t.n_vocab:
@@ -355,7 +355,7 @@ class Trainer:
             "vocab_size": t.n_vocab,
             "draft_vocab_size": len(tensors["d2t"]) if "d2t" in tensors else t.n_vocab,
             "block_size": sh.block_size,
-            "num_target_layers": t.get("block_count"),
+            "num_target_layers": t.n_layer,
             "dflash_config": dflash_config,
             "torch_dtype": "float32",
         }

@@ -57,7 +57,8 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> DraftSpec:
     name = draft.path.name
     if draft.arch != "dflash":
         raise PairError(f"{name}: architecture is '{draft.arch}', expected a 'dflash' drafter")
-    n_layer = _need(target, "block_count")
+    _need(target, "block_count")
+    n_layer = target.n_layer
     n_embd = _need(target, "embedding_length")
 
     layers = draft.get("target_layers")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_drafter, write_tiny_gemma4
+from rollback import check_capture_paths_agree, plain_logits, scripted_run
 from scripted import ScriptedDrafter
-from test_hybrid import check_capture_paths_agree, plain_logits, scripted_run
 from zlab import write_checkpoint, zlab_gemma4_config
 
 from dflash_local import Engine, _native

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from conftest import make_prompts
 from fixtures import write_tiny_drafter, write_tiny_mamba, write_tiny_qwen35
+from rollback import check_capture_paths_agree, check_logits_after_rollbacks, scripted_run
 from scripted import ScriptedDrafter
 
-from dflash_local import Engine, Finished, StepStats, _native
+from dflash_local import Engine, _native
 from dflash_local.bench import run_bench
 from dflash_local.placement import Placement
 
@@ -43,25 +44,6 @@ def mamba(models_dir):
     target = write_tiny_mamba(models_dir / "tiny-mamba.gguf")
     drafter = write_tiny_drafter(models_dir / "tiny-mamba-drafter.gguf", target, target_layers=(1,), block_size=8)
     return Engine(target, drafter, n_ctx=1024, draft_policy="fixed")
-
-
-def scripted_run(engine, prompt, max_tokens, seed=None):
-    base = engine.complete(prompt, max_tokens=max_tokens, draft=False)
-    drafter = ScriptedDrafter(len(engine.prompt_tokens(prompt)), base.token_ids, engine.target.n_vocab, seed=seed)
-    events = list(engine.generate(prompt, max_tokens=max_tokens, external_drafter=drafter))
-    assert isinstance(events[-1], Finished)
-    return base, events[-1], [e for e in events if isinstance(e, StepStats)]
-
-
-def plain_logits(target, ids, cont, n):
-    """The logits plain decoding reaches after the prompt ids and cont[0..n-1], fed token by token."""
-    sp = _native.Sampling()
-    plain = Engine(target, n_ctx=1024).session
-    plain.set_capture(False)
-    plain.prefill(ids, sp, 0)
-    for i in range(n):
-        plain.step(cont[i], [], sp, i + 1)
-    return plain.logits(0)
 
 
 def test_a_ubatch_too_small_for_the_snapshots_is_refused(qwen35, qwen35_drafter):
@@ -124,29 +106,7 @@ def test_rollback_over_hundreds_of_steps(request, which):
 
 @pytest.mark.parametrize("which,kind", [("hybrid", "snapshot"), ("hybrid_ckpt", "checkpoint")])
 def test_logits_after_a_rollback_equal_plain_decoding(request, qwen35, which, kind):
-    """The state after dropping rejected drafts is exactly the state plain decoding reaches (llama_memory_seq_rm
-    alone would say true and leave a wrong state for a rollback across decodes)."""
-    engine = request.getfixturevalue(which)
-    prompt = "def total(values):"
-    cont = engine.complete(prompt, max_tokens=12, draft=False).token_ids
-    ids, sp, s = engine.prompt_tokens(prompt), _native.Sampling(), engine.session
-    want = plain_logits(qwen35, ids, cont, 5)  # after cont[0..4]
-
-    s.truncate(0)
-    engine.cache.clear()  # this test drives the session by hand
-    s.set_capture(True)
-    assert s.prefill(ids, sp, 0) == cont[0]
-    draft = list(cont[1:8])
-    draft[0] = (draft[0] + 1) % engine.target.n_vocab  # rejects all 7 drafts
-    r = s.step(cont[0], draft, sp, 1)
-    assert (r.n_accepted, r.tokens, r.rollback) == (0, [cont[1]], kind)
-    draft = list(cont[2:9])
-    draft[2] = (draft[2] + 1) % engine.target.n_vocab  # accepts 2 of 7
-    r = s.step(cont[1], draft, sp, 2)
-    assert (r.n_accepted, r.tokens, r.rollback) == (2, cont[2:5], kind)
-    s.step(cont[4], [], sp, 5)
-    np.testing.assert_array_equal(s.logits(0), want)
-    s.truncate(0)
+    check_logits_after_rollbacks(request.getfixturevalue(which), qwen35, kind)
 
 
 def test_prefix_cache_across_generations(hybrid, qwen35, qwen35_drafter):
@@ -182,19 +142,6 @@ def test_seeded_sampling_equals_plain_sampling(hybrid_ckpt):
     spec = hybrid_ckpt.complete("Hello", seed=123, external_drafter=drafter, **kw)
     assert spec.token_ids == plain.token_ids
     assert spec.summary.n_accepted > 0 and spec.summary.n_checkpoint_rollbacks > 0
-
-
-def check_capture_paths_agree(target, drafter, n_layers):
-    """The layer-input export and the eval callback capture the same features, and draft the same output."""
-    a = Engine(target, drafter, n_ctx=256, capture="layer_api")
-    b = Engine(target, drafter, n_ctx=256, capture="callback")
-    ids, sp = a.prompt_tokens("def add(a, b):\n    return a + b\n"), _native.Sampling()
-    assert a.session.prefill(ids, sp, 0) == b.session.prefill(ids, sp, 0)
-    fa, fb = a.session.features(), b.session.features()
-    assert fa.shape == (len(ids), n_layers * a.target.n_embd) and np.abs(fa).max() > 0
-    np.testing.assert_array_equal(fa, fb)
-    for p in make_prompts(4):
-        assert a.complete(p, max_tokens=16).token_ids == b.complete(p, max_tokens=16).token_ids
 
 
 def test_layer_api_and_eval_callback_agree_on_the_hybrid_graph(qwen35, qwen35_drafter):
