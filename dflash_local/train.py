@@ -44,13 +44,12 @@ from .atomic import atomic_output
 from .gguf_file import read_gguf
 from .placement import Placement, from_args
 from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
-from .traindata import Sample, from_bf16, load_sample, make_data
+from .traindata import PASSAGE_TOKENS, Sample, from_bf16, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
 SHAPE_FIELDS = ("variant", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new",
                 "seed")
-PASSAGE_TOKENS = 512  # a passage's tokens at most: one target batch
 # a DFlash2 drafter's convolution and candidate selector (z-lab's names, in dflash_config)
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 4}
 

@@ -32,6 +32,7 @@ from .placement import FLASH_ATTN, Placement
 
 FORMAT = 2  # bfloat16 features and top-k distributions
 TOP_K = 8
+PASSAGE_TOKENS = 512  # a passage's tokens at most: one target batch
 
 
 @dataclass
