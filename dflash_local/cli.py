@@ -317,6 +317,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
     p.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash", help="dflash2 adds DFlash2's "
                    "convolutions and candidate selector (default dflash)")
+    p.add_argument("--init", metavar="DRAFTER.gguf", help="train on from this drafter for the target (ours or a "
+                   "converted z-lab one): its layers, feature layers, block size and draft vocabulary are kept")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     p.add_argument("--ffn-size", type=int, help="drafter feed-forward size (default: the target's); its hidden "
                    "size is the target's, since it reads the target's embeddings")

@@ -43,13 +43,14 @@ from dflash_local.convert.init_drafter import default_target_layers, init_drafte
 from .atomic import atomic_output
 from .gguf_file import read_gguf
 from .placement import Placement, from_args
+from .validate import check_pair
 from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
 from .traindata import PASSAGE_TOKENS, Sample, from_bf16, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
-SHAPE_FIELDS = ("variant", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus", "max_new",
-                "seed")
+SHAPE_FIELDS = ("variant", "init", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus",
+                "max_new", "seed")
 # a DFlash2 drafter's convolution and candidate selector (z-lab's names, in dflash_config)
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 4}
 
@@ -59,6 +60,7 @@ class TrainConfig:
     target: str
     out: str
     variant: str = "dflash"  # or "dflash2"
+    init: str | None = None  # a drafter GGUF for this target to start from: its shape replaces the shape options
     n_layer: int = 1
     n_ff: int | None = None  # default: the target's
     target_layers: list[int] | None = None  # layer-input indices as in the GGUF (z-lab ids + 1)
@@ -228,6 +230,8 @@ class Trainer:
         self.out = Path(cfg.out)
         self.target_info = read_gguf(cfg.target)
         t = self.target_info
+        if cfg.init is not None:
+            self._shape_from_init()
         if cfg.target_layers is None:
             cfg.target_layers = default_target_layers(t.n_layer, cfg.n_layer)
         if cfg.draft_vocab is None and t.n_vocab > 65536:
@@ -244,6 +248,20 @@ class Trainer:
             raise ValueError(f"-np/--parallel must be between 1 and 256 (llama.cpp's sequences), got {cfg.parallel}")
         self._full_head = None
         self._check_resume()
+
+    def _shape_from_init(self) -> None:
+        """Train on from an existing drafter (ours, or z-lab's converted): it must be one for this target, and its
+        layers, feature layers, block size and draft vocabulary are the run's."""
+        cfg, t = self.cfg, self.target_info
+        d = read_gguf(cfg.init)
+        spec = check_pair(t, d)
+        if "markov_w1.weight" in d.tensors:
+            raise ValueError(f"{cfg.init}: a DSpark drafter; train makes and continues DFlash and DFlash2 drafters")
+        if "selector_hidden.weight" in d.tensors:
+            cfg.variant = "dflash2"
+        cfg.n_layer, cfg.n_ff = d.get("block_count"), d.get("feed_forward_length")
+        cfg.target_layers, cfg.block_size = list(spec.layers), spec.block_size
+        cfg.draft_vocab = int(d.tensors["d2t"].shape[0]) if "d2t" in d.tensors else t.n_vocab
 
     def _check_resume(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -291,18 +309,18 @@ class Trainer:
 
     def build(self, samples: list[Sample], rng: np.random.Generator):
         cfg, t = self.cfg, self.target_info
-        init = self.out / "init.gguf"
+        init = Path(cfg.init) if cfg.init else self.out / "init.gguf"
         if not init.exists():
             init_drafter(init, cfg.target, n_layer=cfg.n_layer, target_layers=cfg.target_layers,
                          block_size=cfg.block_size, n_ff=cfg.n_ff, seed=cfg.seed)
         model = load_gguf_drafter(init)
-        if cfg.draft_vocab is not None and cfg.draft_vocab < t.n_vocab:
+        if not cfg.init and cfg.draft_vocab is not None and cfg.draft_vocab < t.n_vocab:
             scores = read_gguf(cfg.target, full_arrays="tokenizer.ggml.scores").kv.get("tokenizer.ggml.scores")
             prior = np.asarray(scores.values, dtype=np.float64) if scores is not None else None
             ids = draft_vocabulary(samples, t.n_vocab, cfg.draft_vocab, prior)
             model.lm_head = torch.nn.Parameter(torch.from_numpy(target_rows(t, ids)))
             model.d2t = torch.from_numpy(ids)
-        if cfg.variant == "dflash2":
+        if cfg.variant == "dflash2" and model.selector is None:
             model = add_dflash2(model, t.n_vocab, np.random.default_rng(cfg.seed))
         # embeddings of every token the blocks can hold (anchors and the mask), scaled as the drafter's graph does
         used = np.unique(np.concatenate([s.tokens for s in samples] + [[model.shape.mask_token]]))
@@ -310,6 +328,9 @@ class Trainer:
         row_of = torch.full((t.n_vocab,), -1, dtype=torch.long)
         row_of[torch.from_numpy(used)] = torch.arange(len(used))
         scale = torch.from_numpy(feature_scale(samples, rng))
+        if cfg.init:  # a GGUF's fc reads raw features; training feeds them divided by the scale
+            with torch.no_grad():
+                model.fc.mul_(scale[None, :])
         return model, emb, row_of, scale
 
     def head(self, model: DFlashDrafter) -> torch.Tensor:
@@ -490,7 +511,8 @@ def run_train(args) -> int:
     placement = from_args(args)
     placement.check(drafting=True)
     cfg = TrainConfig(
-        target=str(args.target or default_target()), out=args.out, variant=args.variant, n_layer=args.layers,
+        target=str(args.target or default_target()), out=args.out, variant=args.variant, init=args.init,
+        n_layer=args.layers,
         n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
         samples=args.samples, max_new=args.max_new, text_samples=args.text_samples, parallel=args.parallel,

@@ -300,7 +300,7 @@ def test_native_step_drafts_match_reference(converted, target, reference, target
 def test_engine_output_with_converted_drafter(converted, target):
     from conftest import make_prompts
 
-    engine = Engine(target, converted("q8_0"), n_ctx=512)
+    engine = Engine(target, converted("q8_0"), n_ctx=512, draft_policy="fixed")  # drafts at every step
     for p in make_prompts(8, seed=3):
         base = engine.complete(p, max_tokens=24, draft=False)
         spec = engine.complete(p, max_tokens=24)

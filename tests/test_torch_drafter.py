@@ -49,7 +49,7 @@ def test_gemma_drafter_top1_matches_the_ggml_drafter(gemma_target, gemma_drafter
 
 
 def test_torch_backend_is_lossless_on_the_tiny_pair(tiny_target, tiny_drafter):
-    e = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_backend="torch")
+    e = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_backend="torch", draft_policy="fixed")
     assert e.model_info()["draft_backend"] == "torch (cpu)"
     for p in make_prompts(20, seed=4):
         spec = e.complete(p, max_tokens=24)

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from dflash_local import Engine, _native  # noqa: E402
 from dflash_local.cli import main  # noqa: E402
+from dflash_local.convert.init_drafter import init_drafter  # noqa: E402
 from dflash_local.corpus import read_corpus, training_prompts  # noqa: E402
 from dflash_local.gguf_file import read_gguf  # noqa: E402
 from dflash_local.sampling import SamplingParams  # noqa: E402
@@ -272,6 +273,30 @@ def test_passages_are_read_by_the_target_and_the_best_validated_drafter_is_expor
     for name in ("lm_head", *sorted(k for k in best["model"] if k.startswith("layers.0."))):
         np.testing.assert_allclose(exported[name].float(), best["model"][name].float(), rtol=2e-3, atol=2e-3)
     assert main(args + ["--text-samples", "-1", "-o", str(tmp_path / "bad")]) == 2
+
+
+def test_training_goes_on_from_an_existing_drafter(run, tiny_target, gemma_target, corpus, tmp_path, capsys):
+    init = run[0] / "drafter-f16.gguf"
+    out = tmp_path / "on"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus), "--init", str(init),
+            "--samples", "4", "--max-new", "40", "--steps", "1", "--lr", "1e-12", "--eval-every", "0",
+            "--outtype", "f32", "--threads", "2"]
+    assert main(args) == 0
+    cfg = json.loads((out / "train.json").read_text())
+    # its shape is the drafter's (ARGS: 1 layer, block 6, features of layers 1 and 3, 300 draft tokens)
+    assert (cfg["n_layer"], cfg["block_size"], cfg["target_layers"], cfg["draft_vocab"]) == (1, 6, [1, 3], 300)
+    # and a step this small changes nothing: the export holds the drafter's weights (fc too: its scale round-trips)
+    before = TorchDraftBackend.load(init, tiny_target).model.gguf_tensors()
+    after = TorchDraftBackend.load(out / "drafter-f32.gguf", tiny_target).model.gguf_tensors()
+    assert before.keys() == after.keys() and "fc.weight" in after and "d2t" in after
+    for name, w in before.items():
+        np.testing.assert_allclose(after[name], w, rtol=1e-4, atol=1e-6, err_msg=name)
+    # a drafter for another target is refused before any work
+    other = init_drafter(tmp_path / "gemma-drafter.gguf", gemma_target, n_layer=1, n_target_layers=2, block_size=4)
+    args[args.index("--init") + 1], args[args.index("-o") + 1] = str(other), str(tmp_path / "bad")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "gemma-drafter.gguf" in capsys.readouterr().err and not (tmp_path / "bad" / "data").exists()
 
 
 def test_draft_vocabulary_keeps_the_tokens_the_target_predicts_most():
