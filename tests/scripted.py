@@ -38,3 +38,23 @@ class ScriptedDrafter(Drafter):
     def draft_rated(self, tokens: list[int], n: int) -> tuple[list[int], list[float] | None]:
         draft = self.draft(tokens, n)
         return draft, [0.9 if i < self.error_at else 0.1 for i in range(n)] if self.rated else None
+
+
+class Wrapping(Drafter):
+    """Another drafter (the engine's own) with something added by a subclass: drafts, context, cropping and the
+    features of decoded positions pass through to it."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+
+    def draft(self, tokens, k):
+        return self.inner.draft(tokens, k)
+
+    def context(self):
+        return self.inner.context()
+
+    def crop(self, n):
+        self.inner.crop(n)
+
+    def extend(self, session, pos0, n):
+        self.inner.extend(session, pos0, n)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
 from fixtures import write_tiny_qwen35
-from scripted import ScriptedDrafter
+from scripted import ScriptedDrafter, Wrapping
 from test_policy import SteadyCosts
 from zlab import dspark_config, write_checkpoint, zlab2_config
 
@@ -276,11 +276,12 @@ def test_q8_0_drafts_agree_with_torch(converted, tiny_target):
 # -- lossless drafting through the engine ---------------------------------------------------------------------------
 
 
-class Recorded(Drafter):
+class Recorded(Wrapping):
     """The engine's own drafter (llama.cpp's or torch's), keeping every token it drafts."""
 
     def __init__(self, inner: Drafter):
-        self.inner, self.tokens = inner, set()
+        super().__init__(inner)
+        self.tokens = set()
 
     def draft(self, tokens, k):
         return self.draft_rated(tokens, k)[0]
@@ -289,15 +290,6 @@ class Recorded(Drafter):
         d, ratings = self.inner.draft_rated(tokens, k)
         self.tokens.update(d)
         return d, ratings
-
-    def context(self):
-        return self.inner.context()
-
-    def crop(self, n):
-        self.inner.crop(n)
-
-    def extend(self, session, pos0, n):
-        self.inner.extend(session, pos0, n)
 
 
 @pytest.mark.parametrize("schema", ["deepspec", "speculators", "deepspec-d2t", "speculators-d2t"])

@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 from conftest import make_prompts
+from scripted import Wrapping
 
 from dflash_local import Engine
 from dflash_local.chat import read_template, render
@@ -500,12 +501,13 @@ def test_queue_bound_gives_429(tiny_target):
         s.stop()
 
 
-class PausedDrafter(Drafter):
+class PausedDrafter(Wrapping):
     """The engine's own drafter, made to wait at its `at`-th draft until the test lets it go on: the engine is then
     inside a step, at a known token count."""
 
     def __init__(self, inner: Drafter, at: int):
-        self.inner, self.at = inner, at
+        super().__init__(inner)
+        self.at = at
         self.calls = 0
         self.n_tokens_at_pause = 0  # prompt + generated tokens when the engine reached the pause
         self.reached, self.go = threading.Event(), threading.Event()
@@ -517,15 +519,6 @@ class PausedDrafter(Drafter):
             self.reached.set()
             self.go.wait(60)
         return self.inner.draft(tokens, k)
-
-    def context(self):
-        return self.inner.context()
-
-    def crop(self, n):
-        self.inner.crop(n)
-
-    def extend(self, session, pos0, n):
-        self.inner.extend(session, pos0, n)
 
 
 def test_disconnect_mid_stream_stops_the_generation_within_a_step(tiny_target, tiny_drafter):
