@@ -3,7 +3,7 @@
 It is a test double for the drafter only: verification, acceptance, rollback and feature injection are the real
 native code. Cycling the error offset through 0..n (n meaning no error) forces every acceptance length.
 With rated=True it also rates its drafts as a DSpark confidence head would, knowing where it planted the error:
-high before it, low from it on.
+high before it, low from it on. Wrapping is the base of test drafters that watch or pause the engine's own.
 """
 
 import random
