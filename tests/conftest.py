@@ -128,3 +128,20 @@ def gguf_contents(path) -> tuple[dict, dict]:
 
 # general.* is provenance (name, size label, ...), not something llama.cpp reads; ours always states causal
 UPSTREAM_ONLY = {"general.quantization_version", "general.size_label", "general.type"}
+
+
+def check_same_as_upstream(ours, upstream, ours_only=frozenset({"dflash.attention.causal"})):
+    """Our converter's GGUF against upstream's for the same checkpoint: every key upstream writes but its provenance
+    (the same values; general.name aside), at most `ours_only` more, and the same tensors bit for bit. Returns
+    ours_kv, up_kv, up_t for the checks of each variant."""
+    ours_kv, ours_t = gguf_contents(ours)
+    up_kv, up_t = gguf_contents(upstream)
+    assert set(up_kv) - set(ours_kv) == UPSTREAM_ONLY
+    assert set(ours_kv) - set(up_kv) <= ours_only
+    for key in set(up_kv) & set(ours_kv) - {"general.name"}:
+        assert ours_kv[key] == up_kv[key], key
+    assert ours_t.keys() == up_t.keys()
+    for name, (qtype, shape, data) in up_t.items():
+        assert ours_t[name][:2] == (qtype, shape), name
+        assert np.array_equal(ours_t[name][2], data), name
+    return ours_kv, up_kv, up_t

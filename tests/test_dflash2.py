@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
+from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_target
 from zlab import write_checkpoint, zlab2_config, zlab_config
 
@@ -85,16 +85,9 @@ def test_f32_output_equals_upstreams_converter(work, target, target_info, llama_
         num_target_layers=4, vocab_size=target_info.n_vocab,
         mask_token_id=target_info.kv["tokenizer.ggml.mask_token_id"], block_size=8)
     d = write_checkpoint(work / f"up-{variant}", cfg, n_shards=3)
-    ours_kv, ours_t = gguf_contents(convert_drafter(d, target, work / f"up-out/{variant}-ours.gguf", "f32").path)
-    up_kv, up_t = gguf_contents(upstream_convert(llama_cpp_src, d, target, work / f"up-out/{variant}-up.gguf"))
-    assert set(up_kv) - set(ours_kv) == UPSTREAM_ONLY
-    assert set(ours_kv) - set(up_kv) <= {"dflash.attention.causal"}
-    for key in set(up_kv) & set(ours_kv) - {"general.name"}:
-        assert ours_kv[key] == up_kv[key], key
-    assert ours_t.keys() == up_t.keys()
-    for name, (qtype, shape, data) in up_t.items():
-        assert ours_t[name][:2] == (qtype, shape), name
-        assert np.array_equal(ours_t[name][2], data), name
+    _, up_kv, up_t = check_same_as_upstream(
+        convert_drafter(d, target, work / f"up-out/{variant}-ours.gguf", "f32").path,
+        upstream_convert(llama_cpp_src, d, target, work / f"up-out/{variant}-up.gguf"))
     if variant == "DFlash2":
         assert up_kv["dflash.selector_top_k"] == TOP_K and up_kv["dflash.conv_kernel_size"] == 3
         assert "selector_hidden.weight" in up_t and "blk.1.ffn_conv_base" in up_t

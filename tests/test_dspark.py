@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
+from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_qwen35
 from scripted import ScriptedDrafter, Wrapping
 from test_policy import SteadyCosts
@@ -104,18 +104,9 @@ def converted(work, ckpt, tiny_target):
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_f32_output_equals_upstreams_converter(work, ckpt, tiny_target, llama_cpp_src, schema):
-    ours_kv, ours_t = gguf_contents(convert_drafter(ckpt[schema], tiny_target,
-                                                    work / f"up-out/{schema}-ours.gguf", "f32").path)
-    up_kv, up_t = gguf_contents(upstream_convert(llama_cpp_src, ckpt[schema], tiny_target,
-                                                 work / f"up-out/{schema}-up.gguf"))
-    assert set(up_kv) - set(ours_kv) == UPSTREAM_ONLY
-    assert set(ours_kv) - set(up_kv) <= {"dflash.attention.causal"}
-    for key in set(up_kv) & set(ours_kv) - {"general.name"}:
-        assert ours_kv[key] == up_kv[key], key
-    assert ours_t.keys() == up_t.keys()
-    for name, (qtype, shape, data) in up_t.items():
-        assert ours_t[name][:2] == (qtype, shape), name
-        assert np.array_equal(ours_t[name][2], data), name
+    _, up_kv, up_t = check_same_as_upstream(
+        convert_drafter(ckpt[schema], tiny_target, work / f"up-out/{schema}-ours.gguf", "f32").path,
+        upstream_convert(llama_cpp_src, ckpt[schema], tiny_target, work / f"up-out/{schema}-up.gguf"))
     assert up_kv["dflash.sample_from_anchor"] == anchor_first(schema)
     assert up_kv["dflash.has_confidence_head"] == (schema != "no-confidence")
     assert up_kv["dflash.target_layers"] == [i + 1 for i in LAYER_IDS] and up_kv["dflash.block_size"] == BLOCK

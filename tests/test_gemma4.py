@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import UPSTREAM_ONLY, gguf_contents, make_prompts, upstream_convert
+from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_drafter, write_tiny_gemma4
 from rollback import check_capture_paths_agree, plain_logits, scripted_run
 from scripted import ScriptedDrafter
@@ -190,21 +190,15 @@ def test_f32_output_equals_upstreams_converter(tmp_path, gemma4, llama_cpp_src, 
     to its own embeddings, not to the table the drafter borrows)."""
     d = write_checkpoint(tmp_path / "ckpt", gemma4_config(read_gguf(gemma4), input_embedding_scale=scale),
                          n_shards=3)
-    ours_kv, ours_t = gguf_contents(convert_drafter(d, gemma4, tmp_path / "ours.gguf", "f32").path)
-    up_kv, up_t = gguf_contents(upstream_convert(llama_cpp_src, d, gemma4, tmp_path / "upstream.gguf"))
-    assert set(up_kv) - set(ours_kv) == UPSTREAM_ONLY
     extra = {"dflash.attention.causal"} | ({"dflash.embedding_scale"} if scale is None else set())
+    ours_kv, up_kv, up_t = check_same_as_upstream(
+        convert_drafter(d, gemma4, tmp_path / "ours.gguf", "f32").path,
+        upstream_convert(llama_cpp_src, d, gemma4, tmp_path / "upstream.gguf"), extra)
     assert set(ours_kv) - set(up_kv) == extra
-    for key in set(up_kv) & set(ours_kv) - {"general.name"}:
-        assert ours_kv[key] == up_kv[key], key
     assert up_kv["dflash.attention.sliding_window"] == DRAFT_WINDOW
     assert list(up_kv["dflash.attention.sliding_window_pattern"]) == [True, True, True, False]
     assert up_kv["dflash.final_logit_softcapping"] == pytest.approx(30.0)
     assert ours_kv["dflash.embedding_scale"] == pytest.approx(8.0)
-    assert ours_t.keys() == up_t.keys()
-    for name, (qtype, shape, data) in up_t.items():
-        assert ours_t[name][:2] == (qtype, shape), name
-        assert np.array_equal(ours_t[name][2], data), name
 
 
 @pytest.mark.parametrize("source", ["gguf", "checkpoint"])
