@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <thread>
 #include <vector>
 
 // Declared in llama.cpp's src/llama-ext.h (C++ linkage, exported by libllama, absent from the public headers).
@@ -1464,33 +1465,50 @@ public:
         run_target(n, n);
         std::vector<int32_t> ids((size_t) n * top_k);
         std::vector<float> logprobs((size_t) n * top_k);
-        std::vector<std::pair<float, llama_token>> best;
+        std::vector<const float *> rows(n);
         for (int i = 0; i < n; ++i) {
-            const float * row = logits_row(ctx_tgt, i, "target");
-            // the top_k by a running threshold: one pass over the vocabulary, as cheap as an argmax for small k
-            best.clear();
-            float lmax = row[0];
-            for (int t = 0; t < n_vocab; ++t) {
-                lmax = std::max(lmax, row[t]);
-                if ((int) best.size() < top_k || row[t] > best.front().first) {
-                    best.emplace_back(row[t], -t);  // -t: among equal logits the lower id ranks first
-                    std::push_heap(best.begin(), best.end(), std::greater<>());
-                    if ((int) best.size() > top_k) {
-                        std::pop_heap(best.begin(), best.end(), std::greater<>());
-                        best.pop_back();
+            rows[i] = logits_row(ctx_tgt, i, "target");  // may throw: here, not in a worker
+        }
+        auto rank_rows = [&](int i0, int i1) {
+            std::vector<std::pair<float, llama_token>> best;
+            for (int i = i0; i < i1; ++i) {
+                const float * row = rows[i];
+                // the top_k by a running threshold: one pass over the vocabulary, as cheap as an argmax for small k
+                best.clear();
+                float lmax = row[0];
+                for (int t = 0; t < n_vocab; ++t) {
+                    lmax = std::max(lmax, row[t]);
+                    if ((int) best.size() < top_k || row[t] > best.front().first) {
+                        best.emplace_back(row[t], -t);  // -t: among equal logits the lower id ranks first
+                        std::push_heap(best.begin(), best.end(), std::greater<>());
+                        if ((int) best.size() > top_k) {
+                            std::pop_heap(best.begin(), best.end(), std::greater<>());
+                            best.pop_back();
+                        }
                     }
                 }
+                float z = 0.0f;
+                for (int t = 0; t < n_vocab; ++t) {
+                    z += exp_approx(std::max(row[t] - lmax, -87.0f));
+                }
+                const float lse = lmax + std::log(z);
+                std::sort(best.begin(), best.end(), std::greater<>());
+                for (int j = 0; j < top_k; ++j) {
+                    ids[(size_t) i * top_k + j] = -best[j].second;
+                    logprobs[(size_t) i * top_k + j] = best[j].first - lse;
+                }
             }
-            float z = 0.0f;
-            for (int t = 0; t < n_vocab; ++t) {
-                z += exp_approx(std::max(row[t] - lmax, -87.0f));
-            }
-            const float lse = lmax + std::log(z);
-            std::sort(best.begin(), best.end(), std::greater<>());
-            for (int j = 0; j < top_k; ++j) {
-                ids[(size_t) i * top_k + j] = -best[j].second;
-                logprobs[(size_t) i * top_k + j] = best[j].first - lse;
-            }
+        };
+        // rows are independent; with the target on a GPU this ranking is most of the CPU's work per batch, so it is
+        // spread over the batch threads (each row's result does not depend on the split)
+        const int n_workers = std::max(1, std::min(n / 8, (int) llama_n_threads_batch(ctx_tgt)));
+        std::vector<std::thread> workers;
+        for (int w = 1; w < n_workers; ++w) {
+            workers.emplace_back(rank_rows, n * w / n_workers, n * (w + 1) / n_workers);
+        }
+        rank_rows(0, n / n_workers);
+        for (auto & t : workers) {
+            t.join();
         }
         py::gil_scoped_acquire gil;  // the call runs without the GIL; numpy arrays need it
         py::array_t<int32_t> ids_out({n, top_k});

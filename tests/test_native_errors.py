@@ -250,3 +250,21 @@ def test_decode_rows_checks_its_rows_before_llama_cpp(models, prompt):
     alone, _ = s.decode_rows(prompt[:5], list(range(5)), [1] * 5, 4)
     assert alone.tolist() == ids[3:].tolist()
     np.testing.assert_allclose(s.features(), both[3:], rtol=1e-3, atol=1e-3 * np.abs(both).max())
+
+
+def test_decode_rows_ranks_every_row_as_its_logits_do(models, prompt):
+    """The rows of a batch are ranked by several threads (24 rows, 2 threads here): each row's top tokens and
+    log-probabilities are its own logits' (ties to the lower id), whichever thread ranked it."""
+    tgt, _ = models
+    s = _native.Session(tgt, None, [1, 3], 256, 2, True, False, n_seq=3)
+    assert s.n_threads_batch == 2
+    tokens = [t for k in range(3) for t in (prompt[k:] * 8)[:8]]  # three different sequences of 8 tokens
+    ids, lp = s.decode_rows(tokens, list(range(8)) * 3, [0] * 8 + [1] * 8 + [2] * 8, 5)
+    assert len({tuple(ids[i]) for i in range(24)}) > 8
+    assert ids.shape == (24, 5)
+    for i in range(24):
+        logits = s.logits(i).astype(np.float64)
+        best = sorted(range(len(logits)), key=lambda t: (-logits[t], t))[:5]
+        assert ids[i].tolist() == best
+        ref = logits[best] - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+        np.testing.assert_allclose(lp[i], ref, atol=1e-4)

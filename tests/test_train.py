@@ -119,7 +119,8 @@ def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):
     assert main(args) == 2
     assert "block_size" in capsys.readouterr().err
     for flag, value, message in (("--soft-labels", "1.5", "--soft-labels must be between 0 and 1"),
-                                 ("-np", "0", "-np/--parallel must be between 1 and 256")):
+                                 ("-np", "0", "-np/--parallel must be between 1 and 256"),
+                                 ("--samples", "0", "--samples must be 1 or more")):
         assert main(args[:3] + ["-o", str(out.parent / "other"), "--corpus", str(corpus)] + ARGS + [flag, value]) == 2
         assert message in capsys.readouterr().err
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 40  # nothing lost
