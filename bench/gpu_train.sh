@@ -12,12 +12,12 @@
 set -euo pipefail
 out=$1 target=$2 corpus=$3
 DATA_S=${DATA_S:-420} TRAIN_S=${TRAIN_S:-390} NP=${NP:-128} DEVICE=${DEVICE:-cuda} NGL=${NGL:-99}
-THREADS=${THREADS:-$(nproc)}
+THREADS=${THREADS:-$(nproc)} BATCH=${BATCH:-16} ANCHORS=${ANCHORS:-64}
 layers=2,9,16 max_new=192
 
 # 1. data: as many continuations as DATA_S seconds make (samples are written whole, so a stopped data stage keeps
 #    every finished one)
-timeout "$DATA_S" python3 - "$target" "$out/data" "$corpus" "$layers" "$max_new" "$NP" "$NGL" "$THREADS" <<'PY' || true
+timeout "$DATA_S" python3 -P - "$target" "$out/data" "$corpus" "$layers" "$max_new" "$NP" "$NGL" "$THREADS" <<'PY' || true
 from dflash_local import _native  # noqa: F401  (first: see above)
 import sys, time
 from dflash_local.corpus import training_prompts
@@ -35,17 +35,18 @@ def progress(i, n):
 make_data(target, folder, [int(x) for x in layers.split(",")], training_prompts(corpus, 0), 100000, int(max_new),
           n_parallel=int(n_parallel), progress=progress, placement=Placement(n_gpu_layers=int(ngl), n_threads=int(threads)))
 PY
-n=$(python3 -c "
+n=$(python3 -P -c "
 import pathlib, sys
 d, n = pathlib.Path(sys.argv[1]), 0
 while (d / f'sample-{n:06d}.npz').exists():
     n += 1
 print(n)" "$out/data")
 echo "gpu_train: $n samples"
+[ "$n" -gt 0 ] || { echo "gpu_train: the data stage made no sample" >&2; exit 1; }
 
 # 2. training: measure the step rate over 50 steps, then run as many steps as TRAIN_S allows
 args=(-m "$target" -o "$out" --corpus "$corpus" --layers 2 --target-layers "$layers" --block-size 8 --draft-vocab 16384
-      --max-new "$max_new" -np "$NP" -ngl "$NGL" -t "$THREADS" --device "$DEVICE" --batch 16 --anchors 64
+      --max-new "$max_new" -np "$NP" -ngl "$NGL" -t "$THREADS" --device "$DEVICE" --batch "$BATCH" --anchors "$ANCHORS"
       --samples "$n" --eval-every 0)
 t0=$(date +%s)
 dflash-local train "${args[@]}" --steps 50
