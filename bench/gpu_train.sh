@@ -36,9 +36,10 @@ make_data(target, folder, [int(x) for x in layers.split(",")], training_prompts(
           n_parallel=int(n_parallel), progress=progress, placement=Placement(n_gpu_layers=int(ngl), n_threads=int(threads)))
 PY
 n=$(python3 -P -c "
-import pathlib, sys
-d, n = pathlib.Path(sys.argv[1]), 0
-while (d / f'sample-{n:06d}.npz').exists():
+import sys, pathlib
+from dflash_local.traindata import sample_path
+n = 0
+while sample_path(pathlib.Path(sys.argv[1]), n).exists():
     n += 1
 print(n)" "$out/data")
 echo "gpu_train: $n samples"

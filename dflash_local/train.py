@@ -242,9 +242,10 @@ class Trainer:
             raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
         if not 0 <= cfg.soft <= 1:
             raise ValueError(f"--soft-labels must be between 0 and 1, got {cfg.soft}")
-        if cfg.samples < 1 or cfg.text_samples < 0:
-            raise ValueError(f"--samples must be 1 or more and --text-samples 0 or more, got {cfg.samples} and "
-                             f"{cfg.text_samples}")
+        if cfg.samples < 1:
+            raise ValueError(f"--samples must be 1 or more, got {cfg.samples}")
+        if cfg.text_samples < 0:
+            raise ValueError(f"--text-samples must be 0 or more, got {cfg.text_samples}")
         if not 1 <= cfg.parallel <= 256:
             raise ValueError(f"-np/--parallel must be between 1 and 256 (llama.cpp's sequences), got {cfg.parallel}")
         self._full_head = None

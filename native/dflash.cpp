@@ -25,8 +25,8 @@
 #include <regex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 // Declared in llama.cpp's src/llama-ext.h (C++ linkage, exported by libllama, absent from the public headers).
