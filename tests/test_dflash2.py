@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_target
-from zlab import write_checkpoint, zlab2_config, zlab_config
+from zlab import edit_config, write_checkpoint, zlab2_config, zlab_config
 
 from dflash_local import Engine, _native
 from dflash_local.convert.errors import ConvertError
@@ -116,13 +116,6 @@ def test_layout_types_and_inspect(converted, target_info):
     assert json.loads(run.stdout)["dflash"]["variant"] == "DFlash2"
 
 
-def _set(path: Path, edit) -> Path:
-    cfg = json.loads((path / "config.json").read_text())
-    edit(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c["dflash_config"].pop("selector_top_k"), "needs dflash_config.selector_top_k"),
     (lambda c: c["dflash_config"].update(selector_top_k=8), "selector_top_k 8 needs a hidden size of at least 72"),
@@ -137,7 +130,7 @@ def test_bad_dflash2_checkpoints_fail_clearly(work, ckpt, target, edit, message,
     d = work / f"bad2-{request.node.callspec.id}"
     shutil.copytree(ckpt, d)
     with pytest.raises(ConvertError, match=message):
-        convert_drafter(_set(d, edit), target, work / "bad2-out" / "d.gguf", "f32")
+        convert_drafter(edit_config(d, edit), target, work / "bad2-out" / "d.gguf", "f32")
     assert not (work / "bad2-out").exists() or not any((work / "bad2-out").iterdir())
 
 

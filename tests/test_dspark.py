@@ -23,7 +23,7 @@ from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_qwen35
 from scripted import ScriptedDrafter, Wrapping
 from test_policy import SteadyCosts
-from zlab import dspark_config, write_checkpoint, zlab2_config
+from zlab import dspark_config, edit_config, write_checkpoint, zlab2_config
 
 from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.convert.errors import ConvertError
@@ -141,13 +141,6 @@ def test_layout_pair_check_and_inspect(converted, tiny_target):
     assert d["draft_vocab"] == N_DRAFT and d["own_lm_head"]
 
 
-def _set(path: Path, edit) -> Path:
-    cfg = json.loads((path / "config.json").read_text())
-    edit(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(markov_head_type="gated"), "markov_head_type 'gated' is not supported"),
     (lambda c: c.update(markov_rank=64), "markov_w1 has rank 32, config.json says markov_rank 64"),
@@ -159,7 +152,7 @@ def test_bad_dspark_checkpoints_fail_clearly(work, ckpt, tiny_target, edit, mess
     d = work / f"bad-{request.node.callspec.id}"
     shutil.copytree(ckpt["deepspec"], d)
     with pytest.raises(ConvertError, match=message):
-        convert_drafter(_set(d, edit), tiny_target, work / "bad-out" / "d.gguf", "f32")
+        convert_drafter(edit_config(d, edit), tiny_target, work / "bad-out" / "d.gguf", "f32")
     assert not (work / "bad-out").exists() or not any((work / "bad-out").iterdir())
 
 

@@ -190,6 +190,14 @@ def dspark_config(*, markov_rank=16, confidence=True, schema="deepspec", draft_v
             "transformer_layer_config": {k: v for k, v in cfg.items() if k not in top}}
 
 
+def edit_config(path: Path, edit) -> Path:
+    """Apply `edit` to the checkpoint's config.json in place; returns the checkpoint folder."""
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def _flat(cfg: dict) -> dict:
     """A config's model fields and target layer ids, whatever the schema."""
     flat = {**cfg, **cfg.get("transformer_layer_config", {})}
