@@ -32,7 +32,9 @@ def progress(i, n):
     if i % 200 == 0:
         print(f"data: sample {i}, {made[0]} tokens, {made[0] / (time.perf_counter() - t0):.0f} tokens/s", flush=True)
 
-make_data(target, folder, [int(x) for x in layers.split(",")], training_prompts(corpus, 0), 100000, int(max_new),
+prompts = training_prompts(corpus, 0)
+n = len(prompts) - 64  # the corpus's last prompts stay unseen: train validates on them (--eval-prompts)
+make_data(target, folder, [int(x) for x in layers.split(",")], prompts[:n], n, int(max_new),
           n_parallel=int(n_parallel), progress=progress, placement=Placement(n_gpu_layers=int(ngl), n_threads=int(threads)))
 PY
 n=$(python3 -P -c "

@@ -10,8 +10,8 @@
    anchor + k - 1, which is its greedy continuation of the anchor as long as the tokens between are its own: always
    in a continuation, where the text agrees with it in a prompt or passage (elsewhere the position is not trained). Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded
    into fc at export, so the exported drafter reads raw features as llama.cpp's graph feeds them.
-3. Validation every --eval-every steps: the real engine drafts with the exported GGUF on held-out prompts (corpus
-   prompts after the training ones) and reports the mean acceptance length.
+3. Validation every --eval-every steps: the real engine drafts with the exported GGUF on held-out prompts (the
+   corpus's last ones, never trained on) and reports the mean acceptance length.
 4. Export: a z-lab checkpoint folder (`zlab/`) and a GGUF through the converter (`drafter-<outtype>.gguf`), from the
    checkpoint with the best held-out acceptance (`best.pt`), or the last one where no validation ran.
 
@@ -280,12 +280,21 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------------------------------
 
-    def prompts(self) -> list[str]:
+    def prompts(self) -> tuple[list[str], list[str]]:
+        """The corpus in training order, and its last --eval-prompts, held out: no run on this corpus trains on them
+        however many samples it makes, so a drafter continued (--init) from one trained on more samples is still
+        validated on text it never saw."""
         from .corpus import training_prompts
 
-        return training_prompts(self.cfg.corpus, self.cfg.seed)
+        cfg = self.cfg
+        prompts = training_prompts(cfg.corpus, cfg.seed)
+        n = len(prompts) - cfg.eval_prompts
+        if cfg.samples > n:
+            raise ValueError(f"the corpus has {len(prompts)} prompts: too few for {cfg.samples} samples and "
+                             f"{cfg.eval_prompts} held-out prompts")
+        return prompts[:n], prompts[n:]
 
-    def make_data(self, prompts: list[str]) -> list[Sample]:
+    def make_data(self, prompts: list[str], held_out: list[str]) -> list[Sample]:
         cfg = self.cfg
         t0, done = time.perf_counter(), [0]  # tokens made by this run
 
@@ -300,7 +309,8 @@ class Trainer:
             from .corpus import training_prompts
 
             t0, done[0] = time.perf_counter(), 0
-            passages = training_prompts(cfg.corpus, cfg.seed, passages=True)
+            held = set(held_out)  # a --corpus file's texts are its passages too
+            passages = [p for p in training_prompts(cfg.corpus, cfg.seed, passages=True) if p not in held]
             paths += make_data(cfg.target, self.out / "data-text", cfg.target_layers, passages, cfg.text_samples, 0,
                                n_prompt_max=PASSAGE_TOKENS, n_parallel=cfg.parallel,
                                progress=lambda i, n: progress(i, n, "passage", cfg.text_samples),
@@ -411,12 +421,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(Placement(**cfg.placement).threads)
         self.device = torch.device(pick_device(cfg.device))
-        prompts = self.prompts()
-        held_out = prompts[cfg.samples : cfg.samples + cfg.eval_prompts]
-        if len(held_out) < cfg.eval_prompts:
-            raise ValueError(f"the corpus has {len(prompts)} prompts: too few for {cfg.samples} samples and "
-                             f"{cfg.eval_prompts} held-out prompts")
-        samples = self.make_data(prompts)
+        prompts, held_out = self.prompts()
+        samples = self.make_data(prompts, held_out)
         rng = np.random.default_rng(cfg.seed)
         model, emb, row_of, scale = self.build(samples, rng)
         model.to(self.device).train()

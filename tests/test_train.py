@@ -120,7 +120,8 @@ def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):
     assert "block_size" in capsys.readouterr().err
     for flag, value, message in (("--soft-labels", "1.5", "--soft-labels must be between 0 and 1"),
                                  ("-np", "0", "-np/--parallel must be between 1 and 256"),
-                                 ("--samples", "0", "--samples must be 1 or more")):
+                                 ("--samples", "0", "--samples must be 1 or more"),
+                                 ("--samples", "19", "too few for 19 samples and 2 held-out prompts")):
         assert main(args[:3] + ["-o", str(out.parent / "other"), "--corpus", str(corpus)] + ARGS + [flag, value]) == 2
         assert message in capsys.readouterr().err
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 40  # nothing lost
@@ -248,13 +249,19 @@ def test_passages_are_read_by_the_target_and_the_best_validated_drafter_is_expor
     args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS + ["--steps", "30"]
     args[args.index("--samples") + 1] = "4"
     args[args.index("--eval-every") + 1] = "10"
-    assert main(args + ["--text-samples", "5"]) == 0
+    assert main(args + ["--text-samples", "12"]) == 0
+    # validation reads the corpus's last prompts (2 here), and no data is made from them, continued or read
+    held = training_prompts(corpus, seed=0)[-2:]
+    unfiltered = training_prompts(corpus, seed=0, passages=True)
+    assert unfiltered != training_prompts(corpus, seed=0)  # another order than the continued prompts
+    assert any(unfiltered.index(h) < 12 for h in held)  # (so one would have been read)
+    made = [load_sample(f).prompt for f in sorted(out.glob("data*/sample-*.npz"))]
+    assert len(made) == 4 + 12 and not set(made) & set(held)
+    passages = [p for p in unfiltered if p not in held]
     # a passage is the text itself, read in one batch: features and the target's next tokens after every position
     e = Engine(tiny_target, None, n_ctx=512)
-    passages = training_prompts(corpus, seed=0, passages=True)
-    assert passages != training_prompts(corpus, seed=0)  # another order than the continued prompts
     sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False)
-    for i in range(5):
+    for i in range(12):
         s = load_sample(out / "data-text" / f"sample-{i:06d}.npz")
         assert s.tokens.tolist() == e.prompt_tokens(passages[i])[:512] and s.n_prompt == len(s.tokens)
         assert len(s.features) == len(s.top_ids) == len(s.tokens) - 1
