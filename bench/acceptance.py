@@ -31,15 +31,14 @@ def main() -> None:
     target = args.target or str(default_target())
     for drafter in args.drafters:
         engine = Engine(target, drafter, n_ctx=2048, draft_policy="fixed")
-        steps = accepted = 0
-        draft_ms = 0.0
-        accepted_at, drafted_at = [], []
+        runs = []
         for row in tqdm(rows, desc=drafter.split("/")[-1], leave=False):
             kw = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
-            s = engine.complete(**kw, max_tokens=args.max_tokens).summary
-            steps, accepted, draft_ms = steps + s.steps, accepted + s.n_accepted, draft_ms + s.draft_ms
-            accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)] if accepted_at else list(s.accepted_at)
-            drafted_at = [a + b for a, b in zip(drafted_at, s.drafted_at)] if drafted_at else list(s.drafted_at)
+            runs.append(engine.complete(**kw, max_tokens=args.max_tokens).summary)
+        steps, accepted = sum(s.steps for s in runs), sum(s.n_accepted for s in runs)
+        draft_ms = sum(s.draft_ms for s in runs)
+        accepted_at = [sum(col) for col in zip(*(s.accepted_at for s in runs))]
+        drafted_at = [sum(col) for col in zip(*(s.drafted_at for s in runs))]
         by_position = ", ".join(f"{a / d:.2f}" for a, d in zip(accepted_at, drafted_at) if d)
         print(f"{drafter}: tau {(accepted + steps) / steps:.3f} over {steps} steps; accepted by position {by_position}; "
               f"draft {draft_ms / steps:.1f} ms per step", flush=True)
