@@ -3,6 +3,7 @@
 # makes data for DATA_S seconds (its greedy continuations of the corpus, -np sequences side by side), then the
 # drafter trains for about TRAIN_S seconds on every sample made, and the last step is exported.
 # Usage: bench/gpu_train.sh OUT TARGET.gguf CORPUS.jsonl   (CORPUS: `dflash-local corpus -o CORPUS.jsonl`)
+# Environment: DATA_S TRAIN_S NP DEVICE NGL THREADS BATCH ANCHORS VARIANT SOFT (defaults below)
 #
 # Stage 1 is `dflash-local train`'s own data stage (traindata.make_data, with the arguments train passes it; train
 # checks that in OUT/data/meta.json before it uses the data), run in a process without torch and with the native
@@ -13,6 +14,7 @@ set -euo pipefail
 out=$1 target=$2 corpus=$3
 DATA_S=${DATA_S:-420} TRAIN_S=${TRAIN_S:-390} NP=${NP:-128} DEVICE=${DEVICE:-cuda} NGL=${NGL:-99}
 THREADS=${THREADS:-$(nproc)} BATCH=${BATCH:-16} ANCHORS=${ANCHORS:-64}
+VARIANT=${VARIANT:-dflash} SOFT=${SOFT:-0}  # the shipped drafter's; the next run: VARIANT=dflash2 (README)
 layers=2,9,16 max_new=192
 
 # 1. data: as many continuations as DATA_S seconds make (samples are written whole, so a stopped data stage keeps
@@ -50,7 +52,7 @@ echo "gpu_train: $n samples"
 # 2. training: measure the step rate over 50 steps, then run as many steps as TRAIN_S allows
 args=(-m "$target" -o "$out" --corpus "$corpus" --layers 2 --target-layers "$layers" --block-size 8 --draft-vocab 16384
       --max-new "$max_new" -np "$NP" -ngl "$NGL" -t "$THREADS" --device "$DEVICE" --batch "$BATCH" --anchors "$ANCHORS"
-      --samples "$n" --eval-every 0)
+      --samples "$n" --eval-every 0 --variant "$VARIANT" --soft-labels "$SOFT")
 t0=$(date +%s)
 dflash-local train "${args[@]}" --steps 50
 rate=$(python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).readlines()[-1])['steps_per_s'])" \

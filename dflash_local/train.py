@@ -430,7 +430,15 @@ class Trainer:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         step = 0
         ckpt, best = self.out / "checkpoint.pt", self.out / "best.pt"
-        best_tau = torch.load(best, weights_only=False)["tau"] if best.exists() else -1.0
+        best_tau = -1.0
+        if best.exists():  # the best step so far, if validated on the same prompts as now
+            b = torch.load(best, weights_only=False)
+            if (b.get("held_out"), b.get("eval_tokens")) == (held_out, cfg.eval_tokens):
+                best_tau = b["tau"]
+            else:
+                best.replace(self.out / "best.previous.pt")
+                self.log("best.pt was validated on other held-out prompts: kept as best.previous.pt, and the best "
+                         "step is chosen anew")
         if ckpt.exists():
             state = torch.load(ckpt, map_location=self.device, weights_only=False)
             model.load_state_dict(state["model"])
@@ -496,7 +504,8 @@ class Trainer:
                     if tau > best_tau:  # the drafter that is exported in the end
                         best_tau = tau
                         with atomic_output(best) as tmp:
-                            torch.save({"model": model.state_dict(), "step": step, "tau": tau}, tmp)
+                            torch.save({"model": model.state_dict(), "step": step, "tau": tau,
+                                        "held_out": held_out, "eval_tokens": cfg.eval_tokens}, tmp)
         except KeyboardInterrupt:
             save()
             bar.close()

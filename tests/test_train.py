@@ -244,6 +244,22 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     assert float(soft.loss) == pytest.approx(float(expect), rel=1e-4)
 
 
+def test_a_best_step_validated_on_other_prompts_is_set_aside(tmp_path, tiny_target, corpus, capsys):
+    out = tmp_path / "run"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS
+    args[args.index("--samples") + 1] = "4"
+    args[args.index("--eval-every") + 1] = "10"
+    assert main(args + ["--steps", "10"]) == 0
+    assert torch.load(out / "best.pt", weights_only=False)["held_out"] == training_prompts(corpus, seed=0)[-2:]
+    args[args.index("--eval-prompts") + 1] = "3"  # another held-out set: its acceptance does not compare
+    capsys.readouterr()
+    assert main(args + ["--steps", "20"]) == 0
+    assert "kept as best.previous.pt" in capsys.readouterr().err
+    assert torch.load(out / "best.previous.pt", weights_only=False)["step"] == 10
+    best = torch.load(out / "best.pt", weights_only=False)
+    assert best["step"] == 20 and best["held_out"] == training_prompts(corpus, seed=0)[-3:]
+
+
 def test_passages_are_read_by_the_target_and_the_best_validated_drafter_is_exported(tmp_path, tiny_target, corpus):
     out = tmp_path / "run"
     args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS + ["--steps", "30"]
