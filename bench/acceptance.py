@@ -16,8 +16,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_local import Engine
-from dflash_local.bench import load_prompts
+from dflash_local.bench import load_prompts, row_request
 from dflash_local.models import default_target
+from dflash_local.stats import pooled
 
 
 def main() -> None:
@@ -31,17 +32,12 @@ def main() -> None:
     target = args.target or str(default_target())
     for drafter in args.drafters:
         engine = Engine(target, drafter, n_ctx=2048, draft_policy="fixed")
-        runs = []
-        for row in tqdm(rows, desc=drafter.split("/")[-1], leave=False):
-            kw = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
-            runs.append(engine.complete(**kw, max_tokens=args.max_tokens).summary)
-        steps, accepted = sum(s.steps for s in runs), sum(s.n_accepted for s in runs)
-        draft_ms = sum(s.draft_ms for s in runs)
-        accepted_at = [sum(col) for col in zip(*(s.accepted_at for s in runs))]
-        drafted_at = [sum(col) for col in zip(*(s.drafted_at for s in runs))]
-        by_position = ", ".join(f"{a / d:.2f}" for a, d in zip(accepted_at, drafted_at) if d)
-        print(f"{drafter}: tau {(accepted + steps) / steps:.3f} over {steps} steps; accepted by position {by_position}; "
-              f"draft {draft_ms / steps:.1f} ms per step", flush=True)
+        runs = [engine.complete(**row_request(row), max_tokens=args.max_tokens).summary
+                for row in tqdm(rows, desc=drafter.split("/")[-1], leave=False)]
+        s = pooled(runs)
+        by_position = ", ".join(f"{r:.2f}" for r, d in zip(s.acceptance_rate, s.drafted_at) if d)
+        print(f"{drafter}: tau {s.mean_acceptance_length:.3f} over {s.steps} steps; accepted by position "
+              f"{by_position}; draft {s.draft_ms / s.steps:.1f} ms per step", flush=True)
         del engine
 
 

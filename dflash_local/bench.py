@@ -19,6 +19,7 @@ from pathlib import Path
 from . import _native
 from .engine import Engine
 from .extras import install_hint
+from .stats import pooled
 
 NO_PLOT = f"dflash-local bench: matplotlib is not installed, so no bench.png ({install_hint('bench')})"
 
@@ -89,10 +90,15 @@ def prompt_lookup_speed(model_path, row: dict, max_tokens: int, n_threads: int, 
     return out["usage"]["completion_tokens"] / (time.perf_counter() - t0)
 
 
+def row_request(row: dict) -> dict:
+    """Engine.complete's arguments for a prompt row: a raw prompt or chat messages."""
+    return {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
+
+
 def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool = True, log=print) -> dict:
     rows = []
     for i, row in enumerate(prompts):
-        kw = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
+        kw = row_request(row)
         base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
         engine.draft_policy = "fixed"
         fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True)
@@ -125,31 +131,30 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
 
     block = engine.max_draft + 1  # tokens a full block verifies
     curve = verify_cost_curve(engine, block)
-    sums = [r.pop("_summary") for r in rows]
-    steps = sum(s.steps for s in sums)
-    drafted = [sum(s.drafted_at[k] for s in sums) for k in range(block - 1)]
-    accepted = [sum(s.accepted_at[k] for s in sums) for k in range(block - 1)]
+    fixed = pooled([r.pop("_summary") for r in rows])
+    steps = fixed.steps
+
     def seconds(key):
         return sum(r["tokens"] / r[key] for r in rows if r[key])
 
     base_time, spec_time = seconds("baseline_tokens_per_second"), seconds("dflash_tokens_per_second")
     fixed_time = seconds("dflash_fixed_tokens_per_second")
     n_tokens = sum(r["tokens"] for r in rows)
-    tau = (sum(s.n_accepted for s in sums) + steps) / steps if steps else 0.0
-    draft_ms = sum(s.draft_ms for s in sums) / steps if steps else 0.0
-    n_rollbacks = sum(s.n_rollbacks for s in sums)
+    tau = fixed.mean_acceptance_length
+    draft_ms = fixed.draft_ms / steps if steps else 0.0
+    n_rollbacks = fixed.n_rollbacks
     overall = {
         "baseline_tokens_per_second": n_tokens / base_time if base_time else 0.0,
         "dflash_tokens_per_second": n_tokens / spec_time if spec_time else 0.0,
         "dflash_fixed_tokens_per_second": n_tokens / fixed_time if fixed_time else 0.0,
         "mean_acceptance_length": tau,
-        "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+        "acceptance_rate": fixed.acceptance_rate,
         "verify_ms": curve,
         "draft_ms_per_step": draft_ms,
         # fixed-block runs: the time dropping rejected drafts, per step and per step that rolled back
-        "rollback_ms_per_step": sum(s.rollback_ms for s in sums) / steps if steps else 0.0,
-        "rollback_ms_per_rollback": sum(s.rollback_ms for s in sums) / n_rollbacks if n_rollbacks else 0.0,
-        "checkpoint_rollbacks": sum(s.n_checkpoint_rollbacks for s in sums),
+        "rollback_ms_per_step": fixed.rollback_ms / steps if steps else 0.0,
+        "rollback_ms_per_rollback": fixed.rollback_ms / n_rollbacks if n_rollbacks else 0.0,
+        "checkpoint_rollbacks": fixed.n_checkpoint_rollbacks,
         "rollbacks": n_rollbacks,
         "ideal_speedup": tau * curve[1] / (curve[block] + draft_ms) if block in curve else 0.0,
         "lossless": all(r["lossless"] for r in rows),

@@ -84,6 +84,21 @@ class Summary:
         return d
 
 
+def pooled(summaries: list[Summary]) -> Summary:
+    """Several generations' summaries as one: counts and times summed, per block position too."""
+    def total(name):
+        return sum(getattr(s, name) for s in summaries)
+
+    return Summary(
+        finish_reason="", drafting=any(s.drafting for s in summaries),
+        **{f: total(f) for f in ("n_prompt", "n_cached", "n_generated", "prompt_ms", "steps", "draft_ms", "verify_ms",
+                                 "other_ms", "rollback_ms", "n_rollbacks", "n_checkpoint_rollbacks", "n_drafted",
+                                 "n_accepted")},
+        accepted_at=[sum(col) for col in zip(*(s.accepted_at for s in summaries))],
+        drafted_at=[sum(col) for col in zip(*(s.drafted_at for s in summaries))],
+    )
+
+
 class StatsTracker:
     """Accumulates StepStats into a Summary."""
 

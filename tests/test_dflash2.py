@@ -10,7 +10,6 @@ shorter than the prompts, so every part of the graph is exercised.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
