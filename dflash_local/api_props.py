@@ -43,10 +43,9 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
     """GET /props: the generation defaults of a request that sets nothing, the model, its template, the drafting."""
     defaults = {name: GenerationRequest.model_fields[name].default
                 for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
-    drafting = engine.has_drafter
     params = {"n_predict": n_predict, "max_tokens": n_predict, **defaults, "stop": [], "stream": False,
-              "speculative.types": "dflash" if drafting else "none",
-              "speculative.n_max": engine.max_draft if drafting else 0}
+              "speculative.types": ",".join(engine.spec_types) or "none",
+              "speculative.n_max": engine.n_max}
     info = model_meta(engine)
     return {
         "default_generation_settings": {"n_ctx": engine.n_ctx, "params": params},
@@ -69,6 +68,7 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
             "draft_backend": info.get("draft_backend"),
             "block_size": engine.block_size,
             "draft_policy": engine.draft_policy,
+            "ngram": {"size_n": engine.ngram.size_n, "size_m": engine.ngram.size_m} if engine.ngram else None,
             "bit_exact_verify": engine.bit_exact,
         },
     }

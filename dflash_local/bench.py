@@ -3,8 +3,9 @@
 Per prompt and overall: baseline and DFlash tokens/s (with the adaptive draft length, the default, and with full
 blocks), speedup, mean acceptance length tau and acceptance per block position (of the full-block runs, where every
 position is tried); the target's verify cost T(k) for k = 1..B, the draft cost, and the ideal speedup they imply
-(tau * T(1) / (T(B) + draft)); llama-cpp-python's prompt-lookup decoding as a peer row. Greedy outputs must be
-token-identical to the baseline: any mismatch fails the run.
+(tau * T(1) / (T(B) + draft)); with the engine's n-gram lookup (--spec-type ngram-simple), DFlash with n-gram drafts
+too (the other DFlash rows leave them out: they measure the drafter); llama-cpp-python's prompt-lookup decoding as a
+peer row. Greedy outputs must be token-identical to the baseline: any mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         kw = row_request(row)
         base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
         engine.draft_policy = "fixed"
-        fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True)
+        fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
         engine.draft_policy = "auto"
-        spec = engine.complete(**kw, max_tokens=max_tokens, draft=True)
+        spec = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
+        both = engine.complete(**kw, max_tokens=max_tokens, draft=True) if engine.ngram else spec
         s = spec.summary
         r = {
             "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
@@ -118,20 +120,26 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             "rollback_ms_per_step": s.rollback_ms / s.steps if s.steps else 0.0,
             "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
             "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
-            "lossless": spec.token_ids == base.token_ids == fixed.token_ids,
+            "lossless": spec.token_ids == base.token_ids == fixed.token_ids == both.token_ids,
             "_summary": fixed.summary,
         }
+        if engine.ngram:
+            r["ngram_tokens_per_second"] = both.summary.tokens_per_second
+            r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
+            r["_ngram_summary"] = both.summary
         if peer:
             r["prompt_lookup_tokens_per_second"] = prompt_lookup_speed(
                 engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
         rows.append(r)
         log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
+            + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
 
     block = engine.max_draft + 1  # tokens a full block verifies
     curve = verify_cost_curve(engine, block)
     fixed = pooled([r.pop("_summary") for r in rows])
+    both = pooled([r.pop("_ngram_summary") for r in rows]) if engine.ngram else None
     steps = fixed.steps
 
     def seconds(key):
@@ -166,6 +174,13 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     base_speed = overall["baseline_tokens_per_second"]
     overall["speedup"] = overall["dflash_tokens_per_second"] / base_speed if base_speed else 0.0
     overall["speedup_fixed"] = overall["dflash_fixed_tokens_per_second"] / base_speed if base_speed else 0.0
+    if both is not None:
+        ngram_time = seconds("ngram_tokens_per_second")
+        overall["ngram_tokens_per_second"] = n_tokens / ngram_time if ngram_time else 0.0
+        overall["speedup_ngram"] = overall["ngram_tokens_per_second"] / base_speed if base_speed else 0.0
+        overall["ngram"] = {"size_n": engine.ngram.size_n, "size_m": engine.ngram.size_m,
+                            "steps": both.steps, "ngram_steps": both.ngram_steps,
+                            "ngram_accepted": both.ngram_accepted, "mean_acceptance_length": both.mean_acceptance_length}
     if peer:
         overall["prompt_lookup_tokens_per_second"] = statistics.mean(r["prompt_lookup_tokens_per_second"]
                                                                      for r in rows)
@@ -175,16 +190,19 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
 def markdown(result: dict) -> str:
     o = result["overall"]
     peer = "prompt_lookup_tokens_per_second" in o
+    ngram = "ngram_tokens_per_second" in o
     head = ("| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | fixed-block DFlash tok/s | tau (fixed) |"
-            + (" prompt lookup tok/s |" if peer else ""))
+            + (" DFlash + n-gram tok/s | speedup |" if ngram else "") + (" prompt lookup tok/s |" if peer else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         lines.append(f"| {r['prompt'][:40]!r} | {r['tokens']} | {r['baseline_tokens_per_second']:.1f} | "
                      f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | "
                      f"{r['dflash_fixed_tokens_per_second']:.1f} | {r['fixed_mean_acceptance_length']:.2f} |"
+                     + (f" {r['ngram_tokens_per_second']:.1f} | {r['ngram_speedup']:.2f} |" if ngram else "")
                      + (f" {r['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
                  f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
+                 + (f" {o['ngram_tokens_per_second']:.1f} | {o['speedup_ngram']:.2f} |" if ngram else "")
                  + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
@@ -193,6 +211,11 @@ def markdown(result: dict) -> str:
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
               f"Lossless: {o['lossless']}."]
+    if ngram:
+        g = o["ngram"]
+        lines[-1] += (f" With n-gram drafts (ngram-simple, n = {g['size_n']}, m = {g['size_m']}): "
+                      f"{g['ngram_steps']} of {g['steps']} steps drafted by the lookup, {g['ngram_accepted']} of "
+                      f"their tokens accepted; tau {g['mean_acceptance_length']:.2f}.")
     return "\n".join(lines) + "\n"
 
 

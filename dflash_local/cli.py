@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .extras import MissingExtraError
 from .gguf_file import GGUFError
+from .ngram import NgramSpec
 from .placement import add_placement_args, from_args
 
 
@@ -19,6 +20,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m Q4_K_M from its PyPI package)")
     p.add_argument("-d", "--draft", help="DFlash drafter GGUF for the target")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline), drafter not loaded")
+    p.add_argument("--spec-type", type=_spec_types, default="ngram-simple,dflash", metavar="TYPES",
+                   help="comma-separated speculative types, as llama.cpp names them: ngram-simple (repeats in the "
+                   "context, no model; tried first at each step) and dflash (the drafter); default: both")
+    p.add_argument("--spec-ngram-simple-size-n", type=int, default=NgramSpec.size_n, metavar="N",
+                   help=f"ngram-simple: tokens matched, the context's newest N (default {NgramSpec.size_n})")
+    p.add_argument("--spec-ngram-simple-size-m", type=int, default=NgramSpec.size_m, metavar="M",
+                   help=f"ngram-simple: tokens drafted at most, those that followed the match (default "
+                   f"{NgramSpec.size_m})")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size in tokens (default 4096; 0: the model's trained context)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's trained size)")
@@ -37,6 +46,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "offloaded layers (-ngl), see `dflash-local rpc-server`")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     add_placement_args(p)
+
+
+SPEC_TYPES = ("ngram-simple", "dflash")
+
+
+def _spec_types(text: str) -> list[str]:
+    types = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in types if t not in SPEC_TYPES]
+    if unknown or not types:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: the types are {', '.join(SPEC_TYPES)}")
+    return types
 
 
 def _template_file(path: str) -> str:
@@ -156,9 +176,13 @@ def _pair(args):
     """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
     from .models import default_drafter, default_target
 
+    no_drafter = args.no_draft or "dflash" not in args.spec_type
+    if args.draft and no_drafter:
+        raise ValueError(f"-d {args.draft} with " + ("--no-draft" if args.no_draft else "--spec-type "
+                         + ",".join(args.spec_type)) + ": the drafter would not be used")
     if args.model:
-        return args.model, None if args.no_draft else args.draft
-    return default_target(), None if args.no_draft else args.draft or default_drafter()
+        return args.model, None if no_drafter else args.draft
+    return default_target(), None if no_drafter else args.draft or default_drafter()
 
 
 def _load_engine(args):
@@ -182,6 +206,8 @@ def _load_engine(args):
         draft_device=args.draft_device,
         draft_policy=args.draft_policy,
         spec_sampling=args.spec_sampling,
+        ngram=None if args.no_draft or "ngram-simple" not in args.spec_type else
+        NgramSpec(args.spec_ngram_simple_size_n, args.spec_ngram_simple_size_m),
         verbose=args.verbose,
         chat_template=getattr(args, "chat_template", None),  # bench has no chat options
         chat_template_kwargs=_template_kwargs(args),
@@ -201,6 +227,8 @@ def stats_line(s) -> str:
         )
     if s.drafting and s.acceptance_rate:
         line += "\nacceptance by block position: " + " ".join(f"{r:.2f}" for r in s.acceptance_rate)
+    if s.ngram_steps:
+        line += f"\nn-gram drafts: {s.ngram_steps} of {s.steps} steps, {s.ngram_accepted} tokens accepted"
     return line
 
 

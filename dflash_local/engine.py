@@ -15,6 +15,7 @@ from pathlib import Path
 from . import _native, chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .grammar import grammar_of
+from .ngram import NgramDrafter, NgramSpec
 from .gguf_file import read_gguf
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
@@ -89,6 +90,7 @@ class Engine:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         n_rs_seq: int | None = None,
+        ngram: NgramSpec | None = None,
     ):
         """capture: how target features are read: 'auto' (from the architecture), 'layer_api' or 'callback'.
 
@@ -111,6 +113,9 @@ class Engine:
         n_rs_seq: for targets with recurrent memory (Qwen3.5, Mamba, ...), the per-token state snapshots llama.cpp
         keeps to roll back rejected drafts (default: the longest draft). A rollback they do not cover restores a
         checkpoint and decodes the accepted tokens again; architectures without snapshots always do that.
+
+        ngram: also draft from repeats in the context (ngram.py), before the drafter at each step; with no drafter,
+        the n-gram lookup alone drafts.
         """
         if capture not in ("auto", "layer_api", "callback"):
             raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
@@ -188,7 +193,8 @@ class Engine:
         )
         self.draft_policy = draft_policy
         self.spec_sampling = spec_sampling
-        self._policy: DraftPolicy | None = None  # learned acceptance and costs, kept across generations
+        self.ngram = ngram
+        self._policies: dict[str, DraftPolicy] = {}  # per drafter: learned acceptance and costs, kept across generations
         self.cache = PromptCache()
         self._lock = threading.Lock()
 
@@ -203,6 +209,16 @@ class Engine:
     @property
     def has_drafter(self) -> bool:
         return self.drafter is not None
+
+    @property
+    def spec_types(self) -> list[str]:
+        """What drafts, by llama.cpp's names for speculative types, in the order each step tries them."""
+        return (["ngram-simple"] if self.ngram else []) + (["dflash"] if self.has_drafter else [])
+
+    @property
+    def n_max(self) -> int:
+        """The longest draft a step may verify."""
+        return max(self.max_draft if self.has_drafter else 0, self.ngram.size_m if self.ngram else 0)
 
     def model_info(self) -> dict:
         """What a frontend shows about the loaded pair."""
@@ -332,11 +348,13 @@ class Engine:
         json_schema: dict | str | None = None,
         logprobs: int | None = None,
         draft: bool = True,
+        ngram: bool = True,
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
         preserved_tokens: list[str] | tuple[str, ...] = (),
         spec_sampling: str | None = None,
     ) -> Iterator[Event]:
-        """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline.
+        """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline; ngram=False
+        leaves out the engine's n-gram drafts (the drafter alone drafts).
 
         The sampling controls are llama.cpp's (sampling.py); grammar is GBNF, json_schema a JSON schema the output
         must follow. logprobs=N reports each generated token's log-probability under the target (the softmax of its
@@ -391,16 +409,19 @@ class Engine:
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
+            # rejection sampling verifies the drafter's own distribution, which an n-gram draft does not have
+            ngram_drafter = NgramDrafter(self.ngram) if self.ngram and draft and ngram and not rejection else None
             yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter,
-                                      frozenset(shown), rejection)
+                                      ngram_drafter, frozenset(shown), rejection)
         finally:
             self._lock.release()
 
     def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None,
-                  shown: frozenset[int], rejection: bool) -> Iterator[Event]:
+                  ngram: NgramDrafter | None, shown: frozenset[int], rejection: bool) -> Iterator[Event]:
         """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
         s = self.session
-        policy = self._policy_for(self.max_draft if drafter else 0)
+        policy = self._policy_for("drafter", self.max_draft if drafter else 0)
+        ngram_policy = self._policy_for("ngram", ngram.m) if ngram else None
         tracker = StatsTracker(max(self.max_draft + 1, 2) if drafter else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
@@ -427,9 +448,16 @@ class Engine:
                     out.finish = "context_full"
                     break
                 t_step = time.perf_counter()
-                k = min(policy.choose(), max_tokens - len(out.ids) - 1)  # drafts past max_tokens would be wasted
+                room = max_tokens - len(out.ids) - 1  # drafts past max_tokens would be wasted
+                # a repeat in the context drafts first (free); the drafter drafts when there is none worth verifying
+                found = ngram.draft(tokens, room) if ngram else []
+                repeat = found[: ngram_policy.choose()] if found else []
+                lookup_ms = (time.perf_counter() - t_step) * 1000
+                k = 0 if repeat else min(policy.choose(), room)
                 r, draft_ms, ratings = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter,
-                                                       rejection, policy)
+                                                       rejection, policy, repeat)
+                if repeat:
+                    draft_ms += lookup_ms
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -443,11 +471,14 @@ class Engine:
                     rollback_ms=r.rollback_ms,
                     other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
                     rollback=r.rollback,
+                    ngram=bool(repeat),
                 )
                 tracker.add(stats)
                 # a rejected draft's rollback is part of what verifying it cost
-                policy.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms, stats.draft_ms,
-                              r.sample_ms, ratings)
+                for p, mine in ((policy, not repeat), (ngram_policy, bool(repeat))):
+                    if p is not None:
+                        p.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms,
+                                 stats.draft_ms, r.sample_ms, ratings, mine=mine)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -498,14 +529,14 @@ class Engine:
         return first
 
     def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
-                   rejection: bool, policy: DraftPolicy):
+                   rejection: bool, policy: DraftPolicy, repeat: list[int]):
         """One step: the drafter proposes k tokens after `tokens` (cut by the policy where the drafter rates them),
-        the target verifies them (its own token at each position is generated token number index + i), the drafter
-        takes the accepted positions' features. Rejection sampling draws the draft from the llama.cpp drafter's
-        distribution, which the step then uses. Returns the native StepResult, the drafter's milliseconds and its
+        or `repeat`, an n-gram draft, is proposed instead; the target verifies them (its own token at each position
+        is generated token number index + i), the drafter takes the accepted positions' features. Rejection
+        sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses. Returns the native StepResult, the drafter's milliseconds and its
         ratings of the verified drafts (None if it gives none)."""
         s = self.session
-        proposal, draft_ms, ratings = [], 0.0, None
+        proposal, draft_ms, ratings = repeat, 0.0, None
         if k > 0:
             t0 = time.perf_counter()
             if rejection:
@@ -524,15 +555,17 @@ class Engine:
             draft_ms += (time.perf_counter() - t0) * 1000
         return r, draft_ms, ratings[: len(r.draft)] if ratings else None
 
-    def _policy_for(self, max_draft: int) -> DraftPolicy:
-        """The adaptive policy, kept across generations (its timings and acceptance carry over, also while a
-        bench interleaves fixed-block runs); a fixed one learns nothing worth keeping."""
+    def _policy_for(self, name: str, max_draft: int) -> DraftPolicy:
+        """The adaptive policy of one drafter ('drafter' or 'ngram'), kept across generations (its timings and
+        acceptance carry over, also while a bench interleaves fixed-block runs); a fixed one learns nothing worth
+        keeping."""
         if max_draft == 0 or self.draft_policy != "auto":
             return DraftPolicy(max_draft, adaptive=False)
-        if self._policy is None or self._policy.max_draft != max_draft:
-            self._policy = DraftPolicy(max_draft)
-        self._policy.new_text()
-        return self._policy
+        p = self._policies.get(name)
+        if p is None or p.max_draft != max_draft:
+            p = self._policies[name] = DraftPolicy(max_draft)
+        p.new_text()
+        return p
 
     def complete(self, *args, **kwargs) -> Finished:
         """Run generate() to the end and return its Finished event."""

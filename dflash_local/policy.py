@@ -72,19 +72,22 @@ class DraftPolicy:
         return [(a + 1) / (t + 2) for a, t in zip(self.accepted, self.tried)]
 
     @staticmethod
-    def _estimate(table: dict[int, float], k: int) -> float | None:
-        """A measured mean, or a least-squares line through the measured sizes, or None if nothing is known."""
-        if k in table:
-            return table[k]
+    def _fit(table: dict[int, float]):
+        """A function of k: the measured mean, or a least-squares line through the measured sizes, or None if
+        nothing is known (fitted once, for a policy that asks about every size of a long n-gram draft)."""
         if not table:
-            return None
+            return lambda k: None
         if len(table) == 1:
             (k0, t0), = table.items()
-            return t0 * k / k0 if k0 else t0  # proportional: the pessimistic guess on CPUs
+            return lambda k: table.get(k, t0 * k / k0 if k0 else t0)  # proportional: the pessimistic guess on CPUs
         xs, ys = list(table), list(table.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return max(my + max(slope, 0.0) * (k - mx), 0.0)  # more tokens never cost less
+        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
+        return lambda k: table[k] if k in table else max(my + slope * (k - mx), 0.0)  # more tokens never cost less
+
+    @classmethod
+    def _estimate(cls, table: dict[int, float], k: int) -> float | None:
+        return cls._fit(table)(k)
 
     def expected_tokens(self, n: int) -> float:
         e, p = 1.0, 1.0
@@ -106,13 +109,16 @@ class DraftPolicy:
             return self._probe_length()
         if self.paid_off:
             return self.max_draft  # keep going while full blocks pay off (the estimates catch up)
+        verify, draft = self._fit(self.verify_ms), self._fit(self.draft_ms)
         best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
-        for n in range(1, self.max_draft + 1):
-            t, d = self._estimate(self.verify_ms, n + 1), self._estimate(self.draft_ms, n)
-            if t is None or d is None:
+        e, p = 1.0, 1.0  # expected tokens of a draft of n, E(n)
+        for n, a in enumerate(self.acceptance(), 1):
+            t, d = verify(n + 1), draft(n)
+            if d is None:
                 self.probing = True
-                return self.max_draft  # a size never measured: try the full block once
-            e = self.expected_tokens(n)
+                return self.max_draft  # never drafted: try the full block once
+            p *= a
+            e += p
             rate = e / max(t + d + self.sample_ms * e, 1e-6)
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
@@ -142,25 +148,30 @@ class DraftPolicy:
         n = len(ratings)
         if not self.adaptive or self.probing or not self.verify_ms:
             return n
+        verify = self._fit(self.verify_ms)
         best, best_rate, e, p = 0, -1.0, 1.0, 1.0
         for m in range(n + 1):
             if m:
                 p *= self.calibrated(ratings[m - 1])
                 e += p
-            rate = e / max(self._estimate(self.verify_ms, m + 1) + draft_ms + self.sample_ms * e, 1e-6)
+            rate = e / max(verify(m + 1) + draft_ms + self.sample_ms * e, 1e-6)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
 
     def update(
         self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
-        ratings: list[float] | None = None,
+        ratings: list[float] | None = None, mine: bool = True,
     ) -> None:
         """One step's outcome; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from; ratings:
-        the drafter's rating of each verified draft, if it gives them."""
-        self.steps_since_draft = 0 if n_drafted else self.steps_since_draft + 1
+        the drafter's rating of each verified draft, if it gives them. mine=False: another drafter's step (the
+        n-gram lookup's, ngram.py): its timings count, since a verify costs the same whoever drafted, its acceptance
+        does not."""
+        self.steps_since_draft = 0 if n_drafted and mine else self.steps_since_draft + 1
         self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
         self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
+        if not mine:
+            return
         if n_drafted:
             self.draft_ms[n_drafted] = self._record("draft", n_drafted, draft_ms)
             # judged on the running medians, not on this one step's timing

@@ -16,6 +16,7 @@ class StepStats:
     other_ms: float  # everything else: sampling, bookkeeping, Python
     rollback_ms: float = 0.0  # dropping rejected drafts from the target: KV cut, or recurrent checkpoint + replay
     rollback: str = ""  # how: "" (nothing rejected), "kv", "snapshot" or "checkpoint" (README, "Hybrid and recurrent targets")
+    ngram: bool = False  # the draft was an n-gram lookup's (ngram.py), not the drafter's
 
     @property
     def step_ms(self) -> float:
@@ -41,6 +42,8 @@ class Summary:
     n_accepted: int
     accepted_at: list[int] = field(default_factory=list)  # per block position: drafts accepted there
     drafted_at: list[int] = field(default_factory=list)  # per block position: drafts proposed there
+    ngram_steps: int = 0  # steps whose draft was an n-gram lookup's
+    ngram_accepted: int = 0  # drafts of those steps the target accepted
 
     @property
     def decode_ms(self) -> float:
@@ -93,7 +96,7 @@ def pooled(summaries: list[Summary]) -> Summary:
         finish_reason="", drafting=any(s.drafting for s in summaries),
         **{f: total(f) for f in ("n_prompt", "n_cached", "n_generated", "prompt_ms", "steps", "draft_ms", "verify_ms",
                                  "other_ms", "rollback_ms", "n_rollbacks", "n_checkpoint_rollbacks", "n_drafted",
-                                 "n_accepted")},
+                                 "n_accepted", "ngram_steps", "ngram_accepted")},
         accepted_at=[sum(col) for col in zip(*(s.accepted_at for s in summaries))],
         drafted_at=[sum(col) for col in zip(*(s.drafted_at for s in summaries))],
     )
@@ -128,5 +131,7 @@ class StatsTracker:
             n_accepted=sum(s.n_accepted for s in st),
             accepted_at=list(self.accepted_at),
             drafted_at=list(self.drafted_at),
+            ngram_steps=sum(1 for s in st if s.ngram),
+            ngram_accepted=sum(s.n_accepted for s in st if s.ngram),
             **kw,
         )

@@ -170,7 +170,8 @@ def test_adaptive_drafts_equal_fixed_drafts_and_output_equals_plain(gemma_target
     fixed = Engine(gemma_target, default_drafter(), n_ctx=1024, n_threads=1, draft_policy="fixed")
     plain = Engine(gemma_target, n_ctx=1024, n_threads=1)  # its own engine: the adaptive one's cache stays
     first = "def rle_encode(text):\n    \"\"\"Run-length encode a string: 'aaab' -> 'a3b1'.\"\"\"\n"
-    adaptive._policy = DraftPolicy(adaptive.max_draft, probe_every=4, max_probe_every=8)  # drafts after 4-8 plain steps
+    # drafts after 4-8 plain steps
+    adaptive._policies["drafter"] = DraftPolicy(adaptive.max_draft, probe_every=4, max_probe_every=8)
     n_same = n_short = 0
     prompt = first
     for _ in range(2):  # the second prompt extends the first's output: the cache is reused, pending rows too

@@ -388,14 +388,14 @@ def test_real_drafters_ratings_cut_their_blocks_losslessly(work, converted, tiny
         path = convert_drafter(write_checkpoint(work / "policy-DFlash2", cfg), tiny_target,
                                work / "out/policy-d2.gguf", "f32").path
     e = Engine(tiny_target, path, n_ctx=1024, n_threads=1, draft_policy="auto")
-    e._policy = AlwaysDrafting(e.max_draft)
+    e._policies["drafter"] = AlwaysDrafting(e.max_draft)
     steps = []
     for p in make_prompts(4, seed=13):
         base = e.complete(p, max_tokens=30, draft=False)
         events = list(e.generate(p, max_tokens=30))
         assert events[-1].token_ids == base.token_ids, p
         steps += [ev for ev in events if isinstance(ev, StepStats)]
-    rated = sum(e._policy.rated_tried)
+    rated = sum(e._policies["drafter"].rated_tried)
     assert rated > 5  # the ratings of the verified drafts reached the calibration
     # once it has seen these ratings rejected, the policy stops verifying drafts rated like them
     late = steps[len(steps) // 2:]

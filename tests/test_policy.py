@@ -124,7 +124,7 @@ def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_
     # block 8, where a fully accepted block clearly pays (8 tokens for about 4.5 single-token times)
     drafter = init_drafter(tmp_path / "d8.gguf", gemma_target, n_target_layers=3, block_size=8, head_dim=64, n_ff=512)
     e = Engine(gemma_target, drafter, n_ctx=1024, draft_policy="auto")
-    e._policy = SteadyCosts(7)
+    e._policies["drafter"] = SteadyCosts(7)
     p = "The history of the printing press"
     base = e.complete(p, max_tokens=120, draft=False)
     n_prompt = len(e.prompt_tokens(p))
@@ -137,7 +137,8 @@ def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_
     assert wrong.summary.n_drafted < 120  # full blocks would draft 7 per step, about 830
     assert wrong.summary.steps > 100  # mostly plain steps
     # an always-right drafter: the next probe (half the back-off away) finds out, then full blocks while they pay
-    wait = max(e._policy.probe_every, e._policy.interval // 2) - e._policy.steps_since_draft
+    policy = e._policies["drafter"]
+    wait = max(policy.probe_every, policy.interval // 2) - policy.steps_since_draft
     events = list(e.generate(p, max_tokens=120, external_drafter=continuation))
     steps = [ev for ev in events if isinstance(ev, StepStats)]
     assert events[-1].token_ids == base.token_ids
@@ -176,7 +177,7 @@ def test_engine_cuts_rated_drafts_and_stays_lossless(tiny_target, tiny_drafter):
     e = Engine(tiny_target, tiny_drafter, n_ctx=1024, n_threads=1, draft_policy="auto")
     rejected = {}
     for rated in (False, True):
-        e._policy = SteadyCosts(7)
+        e._policies["drafter"] = SteadyCosts(7)
         steps = []
         for p in ["The history of the printing press", "def f(x):\n    return"]:
             base = e.complete(p, max_tokens=80, draft=False)

@@ -148,12 +148,13 @@ def test_props(server, tiny_target):
     assert settings["params"]["n_predict"] == settings["params"]["max_tokens"] == 2048
     assert settings["params"]["temperature"] == 1.0 and settings["params"]["top_k"] == 0
     assert settings["params"]["speculative.n_max"] == 7  # block size 8: the anchor and 7 drafted tokens
+    assert settings["params"]["speculative.types"] == "dflash"  # an Engine made without n-gram drafts
     assert p["model_path"] == tiny_target.name and p["model_alias"] == "tiny" and p["total_slots"] == 1
     assert p["chat_template"] == server.engine.chat_template and "<|im_start|>" in p["chat_template"]
     assert p["eos_token"] == "<|endoftext|>" and p["modalities"]["vision"] is False
     assert "llama-cpp-python 0.3.36" in p["build_info"]
     assert p["speculative"] == {"drafter": "tiny-drafter.gguf", "draft_backend": "ggml", "block_size": 8,
-                                "draft_policy": "fixed", "bit_exact_verify": server.engine.bit_exact}
+                                "draft_policy": "fixed", "bit_exact_verify": server.engine.bit_exact, "ngram": None}
     assert str(tiny_target.parent) not in r.text
     assert httpx.get(server.url + "/props").status_code == 401
 
@@ -590,6 +591,9 @@ def test_serve_command_on_gemma(gemma_target, gemma_drafter):
                                       max_tokens=12, temperature=0)
         assert r.usage.completion_tokens <= 12 and r.model_extra["timings"]["draft_n"] > 0
         assert c.models.list().data[0].model_extra["meta"]["target"]["arch"] == "gemma3"
+        # the command's default speculative types: n-gram drafts first, then the drafter (llama.cpp's names)
+        params = httpx.get(url + "/props").json()["default_generation_settings"]["params"]
+        assert params["speculative.types"] == "ngram-simple,dflash" and params["speculative.n_max"] == 48
         # gemma wants a BOS: /tokenize adds it only with add_special, as llama.cpp's own tokenizer does
         import llama_cpp
 

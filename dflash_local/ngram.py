@@ -1,0 +1,44 @@
+"""N-gram drafts: the tokens that followed the last time the context's newest n tokens appeared in it.
+
+llama.cpp's `ngram-simple` speculative type, with its flag names (`--spec-ngram-simple-size-n/-m`). It needs no
+model: text that repeats (code being edited, quoted documents, the loops small models fall into under greedy
+decoding) is drafted for the cost of a dictionary lookup, and the target verifies it like any draft, so the output
+is the same. The engine tries it before the DFlash drafter at each step; its own DraftPolicy decides how much of a
+found draft is worth verifying (policy.py), so text that does not repeat costs nothing but the lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramSpec:
+    size_n: int = 12  # tokens matched: the context's newest n tokens
+    size_m: int = 48  # tokens drafted at most: those that followed the match
+
+    def __post_init__(self):
+        if self.size_n < 1 or self.size_m < 1:
+            raise ValueError(f"n-gram sizes must be at least 1, got n={self.size_n}, m={self.size_m}")
+
+
+class NgramDrafter:
+    """One generation's lookup table: for every n-gram of the tokens so far, where it last ended. The tokens only
+    grow during a generation, so each call indexes just the new positions."""
+
+    def __init__(self, spec: NgramSpec):
+        self.n, self.m = spec.size_n, spec.size_m
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in the table
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to min(k, m) tokens that followed the most recent earlier occurrence of tokens' last n tokens."""
+        n, end = self.n, len(tokens) - 1
+        # index the n-grams that end before the newest token: each has a next token to draft
+        for e in range(max(self.indexed, n - 1), end):
+            self.last_end[tuple(tokens[e - n + 1 : e + 1])] = e
+        self.indexed = max(self.indexed, end)
+        if end < n - 1 or k < 1:
+            return []
+        e = self.last_end.get(tuple(tokens[end - n + 1 :]))
+        return [] if e is None else tokens[e + 1 : e + 1 + min(k, self.m)]
