@@ -10,12 +10,13 @@ decoding. The adaptive policy picks the n that maximises expected tokens per mil
 a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
 measured times, filled in for unmeasured sizes by a line through the measured ones, S the median time to sample one
 row of logits: a step samples one row per token it yields, drafting or not, so a dear sampler shrinks what drafting
-can save. A full block that paid off (more tokens per millisecond than plain decoding) is followed by another; when
-drafting does not pay, it decodes plainly and probes every `probe_every` steps to keep learning, waiting twice as
-long after each probe that did not pay (up to `max_probe_every`). On CPUs a verified token costs nearly a plain step,
-so probes are kept cheap: one drafts only as far as drafts are likely to reach (while the chance that every draft
-before is accepted stays above PROBE_REACH), a probe whose drafts were all accepted is followed by a full block, and
-a new generation halves the wait rather than starting the back-off again (a server's prompts tend to be alike, and
+can save. A drafting step that paid off (more tokens per millisecond than plain decoding) with every draft accepted
+is followed by one that drafts twice as far (up to the full block, or the n-gram lookup's longest draft, ngram.py),
+since the estimates of positions seldom reached lag behind; when drafting does not pay, it decodes plainly and
+probes every `probe_every` steps to keep learning, waiting twice as long after each probe that did not pay (up to
+`max_probe_every`). On CPUs a verified token costs nearly a plain step, so probes are kept cheap: one drafts only as
+far as drafts are likely to reach (while the chance that every draft before is accepted stays above PROBE_REACH), a
+probe whose drafts were all accepted is followed by one twice as long, and a new generation halves the wait rather than starting the back-off again (a server's prompts tend to be alike, and
 on held-out prompts the restarted back-off's probes cost 5% of plain speed, README "Deferred injection").
 
 Some drafters rate their own drafts: a DSpark confidence head estimates, for each drafted token, the chance it is
@@ -54,6 +55,8 @@ class DraftPolicy:
     samples: dict[tuple[str, int], deque] = field(default_factory=dict)
     steps_since_draft: int = 0
     paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
+    last_drafted: int = 0  # tokens the last drafting step verified
+    all_accepted: bool = False  # and whether the target accepted them all
     interval: int = 0  # plain steps before the next probe
     probing: bool = False  # the last choice was a probe: verify the whole block, whatever the drafter's ratings
     rated_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)  # decayed counts per tenth of rating
@@ -107,8 +110,8 @@ class DraftPolicy:
         if self.steps_since_draft >= self.interval:
             self.probing = True
             return self._probe_length()
-        if self.paid_off:
-            return self.max_draft  # keep going while full blocks pay off (the estimates catch up)
+        if self.paid_off and self.all_accepted:
+            return min(2 * self.last_drafted, self.max_draft)  # reach further while it pays (the estimates catch up)
         verify, draft = self._fit(self.verify_ms), self._fit(self.draft_ms)
         best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
         e, p = 1.0, 1.0  # expected tokens of a draft of n, E(n)
@@ -179,8 +182,9 @@ class DraftPolicy:
             made = n_accepted + 1
             cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self.sample_ms * made
             self.paid_off = plain is not None and made / max(cost, 1e-6) > MARGIN / max(plain + self.sample_ms, 1e-6)
-            # a short probe whose drafts were all accepted cannot show what a full block would make: try one
-            self.paid_off |= self.probing and n_accepted == n_drafted < self.max_draft
+            self.last_drafted, self.all_accepted = n_drafted, n_accepted == n_drafted
+            # a short probe whose drafts were all accepted cannot show what a longer draft would make: try one
+            self.paid_off |= self.probing and self.all_accepted
             self.interval = self.probe_every if self.paid_off else min(2 * self.interval, self.max_probe_every)
         # position k was tested only if every draft before it was accepted
         for k in range(min(n_drafted, n_accepted + 1)):

@@ -50,9 +50,28 @@ def test_probes_unknown_sizes_and_after_long_plain_runs():
     before = p.acceptance()[0]
     p.update(1, 1, 20.0, 5.0)  # a probe that was accepted raises the estimate it tested
     assert p.acceptance()[0] > before
-    assert p.choose() == 7  # and a full block is tried next
-    p.update(7, 7, 60.0, 5.0)
+    # and longer drafts next, twice as far while every draft is accepted, up to the full block
+    for n in (2, 4, 7):
+        assert p.choose() == n
+        p.update(n, n, 10.0 + 3 * n, 5.0)  # cheaper per token than plain decoding
     assert p.acceptance()[6] > 0.0
+
+
+def test_a_long_draft_grows_while_all_is_accepted_and_shrinks_to_what_pays():
+    """An n-gram lookup drafts up to 48 tokens: verified in full after a repeat paid off, a long draft whose repeat
+    has ended costs almost a plain step per token on CPUs."""
+    cpu = {k: 10.0 * k for k in range(1, 50)}
+    p = trained(0.95, cpu, {k: 0.01 for k in range(1, 49)}, n=48)
+    p.steps_since_draft = p.interval
+    first = p.choose()
+    assert p.probing and 0 < first < 48
+    lengths = [first]
+    while lengths[-1] < 48:
+        p.update(lengths[-1], lengths[-1], 7.0 * lengths[-1], 0.01)  # all accepted, and cheaper than plain
+        lengths.append(p.choose())
+    assert lengths == [first] + [min(first * 2 ** i, 48) for i in range(1, len(lengths))]
+    p.update(48, 3, 300.0, 0.01)  # the repeat ended: 4 tokens for 30 plain steps' time
+    assert p.choose() < 48
 
 
 def test_probes_back_off_while_they_do_not_pay_and_return_when_one_does():
@@ -79,7 +98,7 @@ def test_probes_draft_as_far_as_drafts_are_likely_to_reach():
         assert p.choose() == 0
         p.steps_since_draft = p.interval
         assert p.choose() == length and p.probing
-    p.update(5, 5, CPU[6], 2.0)  # a short probe, all accepted: a full block is worth a try
+    p.update(5, 5, CPU[6], 2.0)  # a short probe, all accepted: twice as far (the full block) is worth a try
     assert p.choose() == 7
     p.update(7, 0, CPU[8], 2.0)  # that did not pay: back to plain decoding, waiting twice as long
     assert p.choose() == 0 and p.interval == 2 * p.probe_every
