@@ -311,7 +311,8 @@ def cmd_bench(args) -> int:
     from .bench import cmd_bench as run
 
     if _pair(args)[1] is None:
-        raise ValueError("bench compares DFlash with plain decoding: give a drafter with -d")
+        raise ValueError("bench compares DFlash with plain decoding: give a drafter with -d"
+                         + ("" if "dflash" in args.spec_type else ", and keep dflash in --spec-type"))
     return run(args, lambda: _load_engine(args))
 
 

@@ -112,3 +112,5 @@ def test_spec_type_flags(gemma_target, gemma_drafter):
     assert r.returncode == 2 and "eagle3: the types are ngram-simple, dflash" in r.stderr
     r = cli("generate", "-m", gemma_target, "-d", gemma_drafter, "--spec-type", "ngram-simple", "-p", "x")
     assert r.returncode != 0 and "the drafter would not be used" in r.stderr
+    r = cli("bench", "-m", gemma_target, "--spec-type", "ngram-simple")
+    assert r.returncode != 0 and "keep dflash in --spec-type" in r.stderr
