@@ -64,6 +64,21 @@ def test_ngram_drafts_on_gemma_are_lossless_and_accepted(gemma_target, gemma_dra
     assert r.summary.ngram_steps == 0
 
 
+def test_logprobs_and_stop_strings_over_long_ngram_steps(gemma_target, gemma_drafter):
+    """A step that accepts many n-gram tokens reports a log-probability for each, as plain decoding does, and a
+    stop string inside its tokens ends the output there."""
+    e = Engine(gemma_target, gemma_drafter, n_ctx=1024, ngram=NgramSpec())
+    stop = ["stairs every evening to the top of the tower.\n\nThe lighthouse keeper climbed the narrow stairs every"]
+    spec = e.complete(LOOPING, max_tokens=160, logprobs=2, stop=stop)
+    base = e.complete(LOOPING, max_tokens=160, logprobs=2, stop=stop, draft=False)
+    assert spec.summary.ngram_accepted > 8 and spec.summary.finish_reason == base.summary.finish_reason == "stop"
+    assert spec.text == base.text and spec.token_ids == base.token_ids
+    assert len(spec.logprobs) == len(spec.token_ids)
+    for a, b in zip(spec.logprobs, base.logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def test_ngram_alone_needs_no_drafter(gemma_target):
     e = Engine(gemma_target, None, n_ctx=1024, ngram=NgramSpec(size_n=4, size_m=16))
     assert e.spec_types == ["ngram-simple"] and e.n_max == 16
