@@ -422,7 +422,8 @@ class Engine:
         s = self.session
         policy = self._policy_for("drafter", self.max_draft if drafter else 0)
         ngram_policy = self._policy_for("ngram", ngram.m) if ngram else None
-        tracker = StatsTracker(max(self.max_draft + 1, 2) if drafter else 1)
+        # acceptance by block position: the drafter's block, or without one the n-gram lookup's first 7 drafts
+        tracker = StatsTracker(max(self.max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)
@@ -488,7 +489,7 @@ class Engine:
                 yield TextDelta(tail)
             summary = tracker.summary(
                 finish_reason=out.finish,
-                drafting=drafter is not None,
+                drafting=drafter is not None or ngram is not None,
                 n_prompt=len(ids),
                 n_cached=n_cached,
                 n_generated=len(out.ids),

@@ -227,6 +227,25 @@ def test_without_a_drafter_the_panels_say_so(tiny_target):
     run(main())
 
 
+def test_ngram_drafts_alone_are_a_drafting_mode(gemma_target):
+    from dflash_local.ngram import NgramSpec
+
+    e = Engine(gemma_target, n_ctx=1024, ngram=NgramSpec())  # --spec-type ngram-simple: no drafter
+
+    async def main():
+        app = ChatApp(e)
+        async with app.run_test(size=SIZE) as pilot:
+            assert app.draft_next and "between n-gram and plain decoding" in text_of(app.query_one("#welcome"))
+            app.settings.max_tokens = 48
+            await ask(pilot, app, "Repeat after me three times: the cat sat on the mat.")
+            assert app.live.summary.drafting and app.query_one(LivePanel).border_title == "Live · n-gram"
+            assert app.answer.heading == "n-gram"
+            await pilot.press("ctrl+b")
+            assert not app.draft_next and any("plain decoding" in n.message for n in notes(app))
+
+    run(main())
+
+
 def test_settings_apply_to_the_next_answer(engine):
     paced = Paced(engine, 0)
 

@@ -126,7 +126,10 @@ class ChatApp(App):
         self.trained_block = self.info["drafter"]["trained_block_size"] if self.info["drafter"] else 1
         self.settings = settings or Settings(block_size=engine.block_size)
         self.n_gpu_layers = n_gpu_layers
-        self.draft_next = engine.has_drafter  # the mode of the next answer (ctrl+b)
+        # what drafts: the DFlash drafter (n-gram drafts too, by default), or, with --spec-type ngram-simple, the
+        # n-gram lookup alone
+        self.spec = "DFlash" if engine.has_drafter else "n-gram" if engine.spec_types else None
+        self.draft_next = self.spec is not None  # the mode of the next answer (ctrl+b)
         self.live = Live(drafting=self.draft_next)
         self.messages: list[dict] = []  # the conversation so far, as the engine takes it
         self.last_answer = ""
@@ -149,9 +152,9 @@ class ChatApp(App):
 
     def welcome(self) -> Text:
         t = Text("Type a prompt and press enter. ", style="dim")
-        if self.engine.has_drafter:
-            t.append("ctrl+b switches the next answer between DFlash and plain decoding, so the live panel can "
-                     "measure the speedup.", style="dim")  # fmt: skip
+        if self.spec:
+            t.append(f"ctrl+b switches the next answer between {self.spec} and plain decoding, so the live panel "
+                     "can measure the speedup.", style="dim")  # fmt: skip
         else:
             t.append("No drafter is loaded, so answers use plain decoding: start with --draft DRAFTER.gguf "
                      "(`dflash-local init-drafter` makes an untrained one) to see DFlash.", style="dim")  # fmt: skip
@@ -163,9 +166,9 @@ class ChatApp(App):
         self.set_interval(FLUSH_S, self.flush)
 
     def refresh_panels(self) -> None:
-        self.query_one(LivePanel).show(self.live, self.engine.has_drafter)
+        self.query_one(LivePanel).show(self.live, self.spec)
         self.query_one(ModelPanel).show(self.info, self.settings.block_size, self.n_gpu_layers)
-        self.query_one("#chat-column").border_title = "Chat · next: " + ("DFlash" if self.draft_next else "plain")
+        self.query_one("#chat-column").border_title = "Chat · next: " + (self.spec if self.draft_next else "plain")
 
     # -- sending and streaming ------------------------------------------------------------------------------------
 
@@ -183,11 +186,11 @@ class ChatApp(App):
         prompt.remember(text)
         prompt.value = ""
         self.messages.append({"role": "user", "content": text})
-        drafting = self.draft_next and self.engine.has_drafter
+        drafting = self.draft_next and self.spec is not None
         if self.engine.has_drafter:
             self.engine.block_size = self.settings.block_size  # read by the engine when a generation starts
         chat = self.query_one("#chat", VerticalScroll)
-        self.answer = Message("assistant", "DFlash" if drafting else "plain")
+        self.answer = Message("assistant", self.spec if drafting else "plain")
         chat.mount(Message("user", "You", text))
         chat.mount(self.answer)
         chat.scroll_end(animate=False)
@@ -286,11 +289,11 @@ class ChatApp(App):
             self.stop_requested.set()
 
     def action_toggle_draft(self) -> None:
-        if not self.engine.has_drafter:
+        if self.spec is None:
             self.notify("No drafter loaded: start with --draft DRAFTER.gguf.", severity="warning")
             return
         self.draft_next = not self.draft_next
-        mode = "DFlash drafting" if self.draft_next else "plain decoding (the baseline)"
+        mode = f"{self.spec} drafting" if self.draft_next else "plain decoding (the baseline)"
         self.notify(f"Next answer: {mode}.")
         self.refresh_panels()
 

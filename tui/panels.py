@@ -58,7 +58,7 @@ def rates_text(live: Live) -> Text:
     )  # fmt: skip
 
 
-def details_text(live: Live, has_drafter: bool) -> Text:
+def details_text(live: Live, spec: str | None) -> Text:
     """Lines of at most WIDTH columns (longer ones are cut by the panel's CSS)."""
     t = Text()
     t.append("tokens ", "dim").append(f"{live.tokens:<6d}")
@@ -69,7 +69,7 @@ def details_text(live: Live, has_drafter: bool) -> Text:
         t.append("rate   ", "dim").append(bottom, "green").append("\n")
         t.append("@pos   ", "dim").append(axis, "dim").append("\n")
     else:
-        why = "" if live.drafting else " plain decoding" if has_drafter else " no drafter"
+        why = "" if live.drafting else " plain decoding" if spec else " no drafter"
         t.append("accept ", "dim").append(f"—{why}\n\n\n", "dim")
     t.append("draft ", "dim").append(ms(live.draft_ms), "magenta").append(" · ", "dim")
     t.append("verify ", "dim").append(ms(live.verify_ms), "cyan").append(" ms\n", "dim")
@@ -83,7 +83,7 @@ def details_text(live: Live, has_drafter: bool) -> Text:
     if live.speedup is not None:
         t.append(f"{live.speedup:.2f}×", "bold green" if live.speedup >= 1 else "bold red")
         t.append(f" {live.dflash.tokens_per_second:.0f}/{live.plain.tokens_per_second:.0f} tok/s", "dim")
-    elif not has_drafter:
+    elif not spec:
         t.append("needs a drafter", "dim")
     elif live.plain.ms <= 0:
         t.append("needs a plain answer", "dim")  # ^b in the footer; the welcome text says how
@@ -98,11 +98,12 @@ class LivePanel(Vertical):
         yield Sparkline([], id="spark")
         yield Static(id="details")
 
-    def show(self, live: Live, has_drafter: bool) -> None:
-        self.border_title = "Live · " + ("DFlash" if live.drafting else "plain")
+    def show(self, live: Live, spec: str | None) -> None:
+        """spec: what drafts ("DFlash" or "n-gram"), None for plain decoding only."""
+        self.border_title = "Live · " + (spec if live.drafting and spec else "plain")
         self.query_one("#rates", Static).update(rates_text(live))
         self.query_one("#spark", Sparkline).data = list(live.history)
-        self.query_one("#details", Static).update(details_text(live, has_drafter))
+        self.query_one("#details", Static).update(details_text(live, spec))
 
 
 def devices(info: dict, n_gpu_layers: int) -> str:
