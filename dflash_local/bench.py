@@ -180,7 +180,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         overall["speedup_ngram"] = overall["ngram_tokens_per_second"] / base_speed if base_speed else 0.0
         overall["ngram"] = {"size_n": engine.ngram.size_n, "size_m": engine.ngram.size_m,
                             "steps": both.steps, "ngram_steps": both.ngram_steps,
-                            "ngram_accepted": both.ngram_accepted, "mean_acceptance_length": both.mean_acceptance_length}
+                            "ngram_accepted": both.ngram_accepted,
+                            "mean_acceptance_length": both.mean_acceptance_length}
     if peer:
         overall["prompt_lookup_tokens_per_second"] = statistics.mean(r["prompt_lookup_tokens_per_second"]
                                                                      for r in rows)

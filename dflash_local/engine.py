@@ -15,8 +15,8 @@ from pathlib import Path
 from . import _native, chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .grammar import grammar_of
-from .ngram import NgramDrafter, NgramSpec
 from .gguf_file import read_gguf
+from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
@@ -194,7 +194,7 @@ class Engine:
         self.draft_policy = draft_policy
         self.spec_sampling = spec_sampling
         self.ngram = ngram
-        self._policies: dict[str, DraftPolicy] = {}  # per drafter: learned acceptance and costs, kept across generations
+        self._policies: dict[str, DraftPolicy] = {}  # per drafter: acceptance and costs, kept across generations
         self.cache = PromptCache()
         self._lock = threading.Lock()
 
@@ -534,8 +534,9 @@ class Engine:
         """One step: the drafter proposes k tokens after `tokens` (cut by the policy where the drafter rates them),
         or `repeat`, an n-gram draft, is proposed instead; the target verifies them (its own token at each position
         is generated token number index + i), the drafter takes the accepted positions' features. Rejection
-        sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses. Returns the native StepResult, the drafter's milliseconds and its
-        ratings of the verified drafts (None if it gives none)."""
+        sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses. Returns the
+        native StepResult, the drafter's milliseconds and its ratings of the verified drafts (None if it gives
+        none)."""
         s = self.session
         proposal, draft_ms, ratings = repeat, 0.0, None
         if k > 0:
