@@ -93,12 +93,19 @@ class DraftPolicy:
     def _estimate(cls, table: dict[int, float], k: int) -> float | None:
         return cls._fit(table)(k)
 
-    def expected_tokens(self, n: int) -> float:
+    @staticmethod
+    def _expected(acceptance):
+        """E(0), E(1), ...: the tokens a step is expected to make with 0, 1, ... drafts, draft k being accepted
+        with chance acceptance[k - 1] once the drafts before it were (the target's own token always comes)."""
         e, p = 1.0, 1.0
-        for a in self.acceptance()[:n]:
+        yield e
+        for a in acceptance:
             p *= a
             e += p
-        return e
+            yield e
+
+    def expected_tokens(self, n: int) -> float:
+        return list(self._expected(self.acceptance()[:n]))[-1]
 
     def choose(self) -> int:
         self.probing = False
@@ -115,14 +122,13 @@ class DraftPolicy:
             return min(2 * self.last_drafted, self.max_draft)  # reach further while it pays (the estimates catch up)
         verify, draft = self._fit(self.verify_ms), self._fit(self.draft_ms)
         best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
-        e, p = 1.0, 1.0  # expected tokens of a draft of n, E(n)
-        for n, a in enumerate(self.acceptance(), 1):
+        expected = self._expected(self.acceptance())
+        next(expected)  # no draft: plain decoding's rate, above
+        for n, e in enumerate(expected, 1):
             t, d = verify(n + 1), draft(n)
             if d is None:
                 self.probing = True
                 return self.max_draft  # never drafted: try the full block once
-            p *= a
-            e += p
             rate = e / max(t + d + self.sample_ms * e, 1e-6)
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
@@ -153,11 +159,8 @@ class DraftPolicy:
         if not self.adaptive or self.probing or not self.verify_ms:
             return n
         verify = self._fit(self.verify_ms)
-        best, best_rate, e, p = 0, -1.0, 1.0, 1.0
-        for m in range(n + 1):
-            if m:
-                p *= self.calibrated(ratings[m - 1])
-                e += p
+        best, best_rate = 0, -1.0
+        for m, e in enumerate(self._expected(self.calibrated(r) for r in ratings)):
             rate = e / max(verify(m + 1) + draft_ms + self.sample_ms * e, 1e-6)
             if rate > best_rate:
                 best, best_rate = m, rate

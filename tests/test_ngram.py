@@ -1,11 +1,9 @@
 """N-gram drafts (ngram.py): the lookup, and the engine verifying its drafts beside the DFlash drafter, losslessly."""
 
-import subprocess
-import sys
-
 import pytest
 from conftest import make_prompts
 from fixtures import write_tiny_drafter, write_tiny_qwen35
+from test_chat import cli
 
 from dflash_local import Engine, StepStats
 from dflash_local.ngram import NgramDrafter, NgramSpec
@@ -109,11 +107,6 @@ def test_ngram_drafts_past_the_snapshots_roll_back_a_hybrid_target(models_dir):
                 kinds.add(s.rollback)
                 longest = max(longest, s.n_drafted)
     assert "checkpoint" in kinds and longest > e.max_draft
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_local", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
 
 
 def test_spec_type_flags(gemma_target, gemma_drafter):
