@@ -456,7 +456,7 @@ class Engine:
                 lookup_ms = (time.perf_counter() - t_step) * 1000
                 k = 0 if repeat else min(policy.choose(), room)
                 r, draft_ms, ratings = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter,
-                                                       rejection, policy, repeat)
+                                                       rejection, ngram_policy if repeat else policy, repeat)
                 if repeat:
                     draft_ms += lookup_ms
                 tokens.extend(r.tokens)
@@ -479,7 +479,8 @@ class Engine:
                 for p, mine in ((policy, not repeat), (ngram_policy, bool(repeat))):
                     if p is not None:
                         p.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms,
-                                 stats.draft_ms, r.sample_ms, ratings, mine=mine)
+                                 stats.draft_ms, r.sample_ms, ratings, mine=mine, head_ms=r.head_ms,
+                                 head_rows=r.head_rows)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -532,11 +533,11 @@ class Engine:
     def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
                    rejection: bool, policy: DraftPolicy, repeat: list[int]):
         """One step: the drafter proposes k tokens after `tokens` (cut by the policy where the drafter rates them),
-        or `repeat`, an n-gram draft, is proposed instead; the target verifies them (its own token at each position
-        is generated token number index + i), the drafter takes the accepted positions' features. Rejection
-        sampling draws the draft from the llama.cpp drafter's distribution, which the step then uses. Returns the
-        native StepResult, the drafter's milliseconds and its ratings of the verified drafts (None if it gives
-        none)."""
+        or `repeat`, an n-gram draft, is proposed instead (`policy` is the proposer's: it also says how many verify
+        rows the step will likely read); the target verifies them (its own token at each position is generated token
+        number index + i), the drafter takes the accepted positions' features. Rejection sampling draws the draft
+        from the llama.cpp drafter's distribution, which the step then uses. Returns the native StepResult, the
+        drafter's milliseconds and its ratings of the verified drafts (None if it gives none)."""
         s = self.session
         proposal, draft_ms, ratings = repeat, 0.0, None
         if k > 0:
@@ -549,7 +550,7 @@ class Engine:
             if ratings:
                 proposal = proposal[: policy.cut(ratings, draft_ms)]
         pos0 = s.n_past
-        r = s.step(tokens[-1], proposal, sampler, index, rejection)
+        r = s.step(tokens[-1], proposal, sampler, index, rejection, policy.likely_rows(len(proposal)))
         draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()

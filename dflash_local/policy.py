@@ -5,15 +5,18 @@ linearly with n (README, "Measured"), so drafting a full block when drafts are r
 decoding. The adaptive policy picks the n that maximises expected tokens per millisecond:
 
     E(n) = 1 + sum_{j=1..n} a_1 a_2 ... a_j          (a_k: chance draft k is accepted once 1..k-1 were)
-    cost(n) = T(n + 1) + D(n) + S E(n)                  (measured verify and draft times; D(0) = 0)
+    cost(n) = T(n + 1) + D(n) + S E(n) + H (E(n) - 1)   (measured verify and draft times; D(0) = 0)
 
 a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
 measured times, filled in for unmeasured sizes by a line through the measured ones, S the median time to sample one
 row of logits: a step samples one row per token it yields, drafting or not, so a dear sampler shrinks what drafting
-can save. A drafting step that paid off (more tokens per millisecond than plain decoding) with every draft accepted
-is followed by one that drafts twice as far (up to the full block, or the n-gram lookup's longest draft, ngram.py),
-since the estimates of positions seldom reached lag behind; when drafting does not pay, it decodes plainly and
-probes every `probe_every` steps to keep learning, waiting twice as long after each probe that did not pay (up to
+can save. On CPUs a verify batch computes the target's LM head only for the rows the step reads (native/dflash.cpp,
+"LM head on demand"): T(n + 1) then holds the batch with one row's head, as a plain step pays, and H, the median
+head time per row, is paid for each further row read, one per further token made (0 where llama.cpp computes every
+row's head, which T then holds). A drafting step that paid off (more tokens per millisecond than plain decoding)
+with every draft accepted is followed by one that drafts twice as far (up to the full block, or the n-gram lookup's
+longest draft, ngram.py), since the estimates of positions seldom reached lag behind; when drafting does not pay, it
+decodes plainly and probes every `probe_every` steps to keep learning, waiting twice as long after each probe that did not pay (up to
 `max_probe_every`). On CPUs a verified token costs nearly a plain step, so probes are kept cheap: one drafts only as
 far as drafts are likely to reach (while the chance that every draft before is accepted stays above PROBE_REACH), a
 probe whose drafts were all accepted is followed by one twice as long, and a new generation halves the wait rather
@@ -53,6 +56,7 @@ class DraftPolicy:
     verify_ms: dict[int, float] = field(default_factory=dict)  # tokens verified -> median of recent steps
     draft_ms: dict[int, float] = field(default_factory=dict)  # tokens drafted -> median of recent steps
     sample_ms: float = 0.0  # sampling one row of logits: median of recent steps
+    head_ms: float = 0.0  # the target's LM head for one row, where computed on demand: median of recent steps
     samples: dict[tuple[str, int], deque] = field(default_factory=dict)
     steps_since_draft: int = 0
     paid_off: bool = False  # the last drafting step gave more tokens per millisecond than plain decoding would
@@ -107,6 +111,17 @@ class DraftPolicy:
     def expected_tokens(self, n: int) -> float:
         return list(self._expected(self.acceptance()[:n]))[-1]
 
+    def likely_rows(self, n: int) -> int:
+        """The verify rows a step with n drafts will probably read: the target's own token's, and one per draft
+        that is accepted more likely than not (the first batch of a CPU target's LM head, computed on demand)."""
+        rows, reach = 1, 1.0
+        for a in self.acceptance()[:n]:
+            reach *= a
+            if reach < 0.5:
+                break
+            rows += 1
+        return rows
+
     def choose(self) -> int:
         self.probing = False
         if not self.adaptive or self.max_draft == 0:
@@ -129,10 +144,15 @@ class DraftPolicy:
             if d is None:
                 self.probing = True
                 return self.max_draft  # never drafted: try the full block once
-            rate = e / max(t + d + self.sample_ms * e, 1e-6)
+            rate = e / max(t + d + self._per_token(e), 1e-6)
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
         return best
+
+    def _per_token(self, e: float) -> float:
+        """What making e tokens costs beyond T and D: sampling a row each, and the LM head of every row after the
+        first (on demand)."""
+        return self.sample_ms * e + self.head_ms * (e - 1)
 
     def _probe_length(self) -> int:
         """Draft as far as the drafts are likely to reach: beyond, a probe would pay to verify what it cannot learn."""
@@ -161,20 +181,25 @@ class DraftPolicy:
         verify = self._fit(self.verify_ms)
         best, best_rate = 0, -1.0
         for m, e in enumerate(self._expected(self.calibrated(r) for r in ratings)):
-            rate = e / max(verify(m + 1) + draft_ms + self.sample_ms * e, 1e-6)
+            rate = e / max(verify(m + 1) + draft_ms + self._per_token(e), 1e-6)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
 
     def update(
         self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
-        ratings: list[float] | None = None, mine: bool = True,
+        ratings: list[float] | None = None, mine: bool = True, head_ms: float = 0.0, head_rows: int = 0,
     ) -> None:
-        """One step's outcome; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from; ratings:
-        the drafter's rating of each verified draft, if it gives them. mine=False: another drafter's step (the
-        n-gram lookup's, ngram.py): its timings count, since a verify costs the same whoever drafted, its acceptance
-        does not."""
+        """One step's outcome; verify_ms: its target time, head_ms of it for the head_rows rows whose LM head was
+        computed on demand; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from; ratings: the
+        drafter's rating of each verified draft, if it gives them. mine=False: another drafter's step (the n-gram
+        lookup's, ngram.py): its timings count, since a verify costs the same whoever drafted, its acceptance does
+        not."""
         self.steps_since_draft = 0 if n_drafted and mine else self.steps_since_draft + 1
+        if head_rows:
+            per_row = head_ms / head_rows
+            self.head_ms = self._record("head", 1, per_row)
+            verify_ms -= head_ms - per_row  # T holds one row's head, as a plain step's
         self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
         self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
         if not mine:
@@ -184,7 +209,7 @@ class DraftPolicy:
             # judged on the running medians, not on this one step's timing
             plain = self._estimate(self.verify_ms, 1)
             made = n_accepted + 1
-            cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self.sample_ms * made
+            cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self._per_token(made)
             self.paid_off = plain is not None and made / max(cost, 1e-6) > MARGIN / max(plain + self.sample_ms, 1e-6)
             self.last_drafted, self.all_accepted = n_drafted, n_accepted == n_drafted
             # a short probe whose drafts were all accepted cannot show what a longer draft would make: try one

@@ -1185,6 +1185,8 @@ struct StepResult {
     double draft_ms   = 0.0;               // drafter compute: feature injection (0: deferred to the next draft)
     double verify_ms  = 0.0;               // target compute: the verify batch
     double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
+    double head_ms    = 0.0;               // of verify_ms: the LM head of the rows computed on demand (CPU targets)
+    int    head_rows  = 0;                 // those rows (0: llama.cpp computed every row's logits)
     double rollback_ms = 0.0;              // dropping the rejected drafts from the target (checkpoint and replay too)
     double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
     std::string rollback;                  // how they were dropped: "" (none rejected), "kv", "snapshot", "checkpoint"
@@ -1282,6 +1284,11 @@ public:
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
     void set_capture(bool on) { capture = on; }
 
+    // Whether verify batches of a CPU target compute their LM head only for the rows the accept loop reaches (on by
+    // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
+    void set_head_on_demand(bool on) { head_on_demand = on; }
+    bool head_on_demand_active() const { return head_on_demand && head_w; }
+
     // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
     // A recurrent state cannot be cut anywhere: a recurrent target goes back to 0 or to its checkpoint only.
     void truncate(int n) {
@@ -1375,10 +1382,12 @@ public:
     // not yet in the caches.
     // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
     // rejection: verify by rejection sampling against the distributions of this session's last sampled draft
-    // (draft() with a sampler), which `draft` must be (a prefix of).
+    // (draft() with a sampler), which `draft` must be (a prefix of). head_rows: the verify rows the caller expects
+    // to read (its expected accepted drafts + 1), the first batch of the LM head where it runs on demand.
     StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
-                    bool rejection) {
+                    bool rejection, int head_rows = 1) {
         check_tokens({last});
+        head_first = std::max(head_rows, 1);
         check_tokens(draft);
         if (past + 1 > n_ctx) {
             throw std::length_error("context is full");
@@ -1397,14 +1406,14 @@ public:
     }
 
     // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
-    py::array_t<float> logits(int row) const {
+    py::array_t<float> logits(int row) {
         if (row < -n_out || row >= n_out) {
             throw std::out_of_range("row " + std::to_string(row) + " outside the " + std::to_string(n_out) +
                                     " output rows of the last target decode");
         }
         LogScope log(verbose);
         const int n_vocab = tgt.n_vocab();
-        const float * src = logits_row(ctx_tgt, row, "target");
+        const float * src = target_row(row);
         py::array_t<float> out(n_vocab);
         std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
         return out;
@@ -1539,7 +1548,8 @@ public:
     }
 
 private:
-    enum Logits { LogitsNone, LogitsLast, LogitsAll };
+    // LogitsOnDemand: every row is an output, its LM head computed when target_row() first reads it (CPU targets)
+    enum Logits { LogitsNone, LogitsLast, LogitsAll, LogitsOnDemand };
 
     static constexpr int max_block = 512;
     static constexpr int max_seq = 256;  // llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h, not in llama.h)
@@ -1593,6 +1603,86 @@ private:
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
     std::vector<float> cb_rows;   // eval-callback path: one layer's rows on their way from the backend
     std::vector<std::pair<float, llama_token>> cand;
+
+    // LM head on demand. On a CPU a verify row's LM head costs as much as the rest of the row for a big vocabulary
+    // and small model (gemma-3-270m: 262,144 x 640, README "Measured"), and the rows after the first rejected draft
+    // are never read. So a verify batch stops after the final norm ("result_norm", the eval callback returns false
+    // there) and target_row() multiplies a row by the target's own output matrix, with the same ggml CPU kernel as
+    // its graph, when the accept loop first reads it. Batch-invariant CPU matmuls give each row the bits llama.cpp
+    // would have written (tests/test_head.py). The matrix is found in the graph of the first decode with outputs:
+    // on only where "result_output" is the graph's last node and a plain matmul of "result_norm" by a matrix in
+    // host memory (no soft-capping or scale after it), and the whole target is on the CPU.
+    bool head_on_demand = true;
+    bool head_probed = false;          // the first decode with outputs looked for the matrix
+    bool probing = false;              // the eval callback is looking for it in this decode
+    ggml_tensor * probe_prev = nullptr;  // the node asked before
+    ggml_tensor * probe_w = nullptr;
+    int probe_tail = 0;                // nodes asked after the head
+    ggml_tensor * head_w = nullptr;    // the target's output matrix; null: llama.cpp computes the logits
+    ggml_backend_t head_cpu = nullptr;
+    bool lazy = false;                 // this decode stops after the final norm
+    std::vector<float> hidden;         // [n_rows, n_embd] final-norm rows of the last on-demand decode
+    int norm_seen = 0;                 // rows of them the eval callback copied
+    int hidden_rows = 0;               // 0: the last decode's logits are llama.cpp's
+    std::vector<float> head_logits;    // [hidden_rows, n_vocab], rows [0, head_done) computed
+    int head_done = 0;
+    int head_first = 1;                // rows of the first head call (step's head_rows)
+    double head_ms = 0.0;              // time in compute_head since the step began
+
+    // Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output).
+    const float * target_row(int i) {
+        if (hidden_rows == 0) {
+            return logits_row(ctx_tgt, i, "target");
+        }
+        i = i < 0 ? i + hidden_rows : i;  // on demand, every row is an output
+        if (i < 0 || i >= hidden_rows) {
+            fail("no target logits for output row " + std::to_string(i));
+        }
+        if (i >= head_done) {
+            // rows are read in order: first the head_first rows the step's caller expects to read, then as many
+            // more as have been read (doubling): a call costs a few ms beyond its rows (README "Measured"), so a
+            // batch whose drafts are accepted pays a few calls, and one rejected early one or two rows
+            const int end = std::min(hidden_rows, std::max(i + 1, head_done ? 2 * head_done : head_first));
+            compute_head(head_done, end);
+            head_done = end;
+        }
+        return &head_logits[(size_t) i * tgt.n_vocab()];
+    }
+
+    void compute_head(int i0, int i1) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const int n_vocab = tgt.n_vocab();
+        const int r = i1 - i0;
+        if (!head_cpu) {
+            ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+            head_cpu = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+            if (!head_cpu) {
+                fail("could not start a CPU backend for the LM head");
+            }
+        }
+        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(ggml_backend_get_device(head_cpu)), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+        }
+        ggml_init_params ip = {ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false), nullptr, true};
+        ggml_context * g = ggml_init(ip);
+        if (!g) {
+            fail("could not allocate the LM head's graph");
+        }
+        ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, n_embd, r);
+        x->data = &hidden[(size_t) i0 * n_embd];
+        ggml_tensor * y = ggml_mul_mat(g, head_w, x);
+        y->data = &head_logits[(size_t) i0 * n_vocab];
+        ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
+        ggml_build_forward_expand(gf, y);
+        const ggml_status st = ggml_backend_graph_compute(head_cpu, gf);
+        ggml_free(g);
+        if (st != GGML_STATUS_SUCCESS) {
+            fail("the LM head failed (ggml status " + std::to_string((int) st) + ")");
+        }
+        head_ms += ms_since(t0);
+    }
 
     // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
     void check_arguments(const ContextOptions & o) {
@@ -1685,7 +1775,7 @@ private:
         // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
         // CPU computes on the CPU.
         cp.op_offload = tgt.params.n_gpu_layers != 0;
-        if (!layers.empty() && !layer_api) {
+        if ((!layers.empty() && !layer_api) || tgt.params.n_gpu_layers == 0) {  // features, or the LM head on demand
             cp.cb_eval           = eval_cb;
             cp.cb_eval_user_data = this;
         }
@@ -1754,6 +1844,8 @@ private:
     }
 
     void free_all() {
+        if (head_cpu) ggml_backend_free(head_cpu);
+        head_cpu = nullptr;
         if (batch_dft) llama_batch_ext_free(batch_dft);
         if (ctx_dft) llama_free(ctx_dft);
         if (batch_tgt) llama_batch_ext_free(batch_tgt);
@@ -1874,8 +1966,10 @@ private:
         }
 
         const auto t1 = std::chrono::steady_clock::now();
-        decode_target(block.data(), (int) block.size(), past, LogitsAll);
+        // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split
+        decode_target(block.data(), (int) block.size(), past, r.draft.empty() ? LogitsAll : LogitsOnDemand);
         r.verify_ms = ms_since(t1);
+        head_ms = 0.0;
 
         // accept while the target's own choice equals the draft (or, rejection sampling, while it keeps the draft
         // token); the first disagreement is the target's token
@@ -1883,7 +1977,7 @@ private:
         const size_t n_vocab = tgt.n_vocab();
         int a = 0;
         for (;; ++a) {
-            const float * row = logits_row(ctx_tgt, a, "target");
+            const float * row = target_row(a);
             const llama_token t = rejection && a < (int) r.draft.size()
                                       ? s.judge(row, r.draft[a], &q_rows[a * n_vocab], index + a)
                                       : s.next(row, index + a, cand);
@@ -1893,7 +1987,10 @@ private:
             }
         }
         r.n_accepted = a;
-        r.sample_ms  = ms_since(t_sample);
+        r.head_ms    = head_ms;  // the rows' LM head ran inside the loop: target compute, not sampling
+        r.head_rows  = head_done;
+        r.sample_ms  = ms_since(t_sample) - head_ms;
+        r.verify_ms += head_ms;
 
         const int p0 = past;
         const int n_drop = (int) block.size() - (a + 1);
@@ -1928,15 +2025,26 @@ private:
 
     void decode_target(const llama_token * toks, int n, int pos0, Logits logits) {
         llama_batch_ext_clear(batch_tgt);
+        const bool all = logits == LogitsAll || logits == LogitsOnDemand;
         for (int i = 0; i < n; ++i) {
-            add_token(batch_tgt, toks[i], pos0 + i, logits == LogitsAll || (logits == LogitsLast && i == n - 1));
+            add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1));
         }
-        run_target(n, logits == LogitsAll ? n : logits == LogitsLast ? 1 : 0);
+        run_target(n, all ? n : logits == LogitsLast ? 1 : 0, logits == LogitsOnDemand);
     }
 
-    // Decode the n rows in batch_tgt (n_outputs of them with logits) and collect their features.
-    void run_target(int n, int n_outputs) {
+    // Decode the n rows in batch_tgt (n_outputs of them with logits) and collect their features; on_demand: every
+    // row is an output, and its LM head waits for target_row() where head_w allows.
+    void run_target(int n, int n_outputs, bool on_demand = false) {
         const size_t width = layers.size() * (size_t) n_embd;
+        lazy = on_demand && head_on_demand && head_w;
+        probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
+        probe_prev = probe_w = nullptr;
+        probe_tail = 0;
+        hidden_rows = head_done = norm_seen = 0;
+        if (lazy) {
+            hidden.resize((size_t) n * n_embd);
+            head_logits.resize((size_t) n * tgt.n_vocab());
+        }
         feats.resize((size_t) n * width);
         feat_rows = n;
         rows_seen.assign(layers.size(), 0);
@@ -1949,6 +2057,20 @@ private:
         n_out = n_outputs;
         llama_synchronize(ctx_tgt);
         collecting = false;
+        if (probing) {
+            head_probed = true;
+            probing = false;
+            const bool plain_head = probe_w && probe_tail == 0 && probe_w->buffer &&
+                                    ggml_backend_buffer_is_host(probe_w->buffer) && probe_w->ne[0] == n_embd &&
+                                    probe_w->ne[1] == tgt.n_vocab();
+            head_w = plain_head ? probe_w : nullptr;
+        }
+        if (lazy) {
+            if (norm_seen != n) {
+                fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
+            }
+            hidden_rows = n;
+        }
         if (!capture || layers.empty()) {
             feat_rows = 0;
         } else if (layer_api) {
@@ -1976,7 +2098,32 @@ private:
     static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
         auto * self = (Session *) user;
         const char * name = ggml_get_name(t);
-        if (!self->capture || !self->collecting || strncmp(name, "l_out-", 6) != 0) {
+        if (!self->collecting) {
+            return ask ? false : true;
+        }
+        if (self->probing && ask) {  // every node is asked once, in graph order
+            // the head: the node right after the final norm, a matmul of it, and the graph's last node
+            const bool head = strcmp(name, "result_output") == 0 && t->op == GGML_OP_MUL_MAT &&
+                              t->type == GGML_TYPE_F32 && t->src[1] == self->probe_prev && t->src[1]->type ==
+                              GGML_TYPE_F32 && strcmp(ggml_get_name(t->src[1]), "result_norm") == 0;
+            self->probe_w = head ? t->src[0] : self->probe_w;
+            self->probe_tail = head ? 0 : self->probe_tail + 1;
+            self->probe_prev = t;
+        }
+        if (self->lazy && strcmp(name, "result_norm") == 0) {
+            if (ask) {
+                return true;
+            }
+            const int rows = (int) t->ne[1];
+            if (t->type == GGML_TYPE_F32 && t->ne[0] == self->n_embd && self->norm_seen + rows <= (int) (
+                    self->hidden.size() / self->n_embd)) {
+                ggml_backend_tensor_get(t, &self->hidden[(size_t) self->norm_seen * self->n_embd], 0,
+                                        (size_t) rows * self->n_embd * sizeof(float));
+                self->norm_seen += rows;
+            }
+            return false;  // stop before the LM head: target_row() computes the rows it needs
+        }
+        if (self->layer_api || !self->capture || strncmp(name, "l_out-", 6) != 0) {  // layer_api: llama.cpp copies
             return ask ? false : true;
         }
         const int lid = atoi(name + 6) + 1;
@@ -2012,6 +2159,7 @@ private:
             add_token(batch_tgt, toks[i], pos0 + i, false);
         }
         n_out = 0;
+        hidden_rows = 0;
         process(ctx_tgt, batch_tgt, "target replay");
     }
 
@@ -2406,6 +2554,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("draft_ms", &StepResult::draft_ms)
         .def_readonly("verify_ms", &StepResult::verify_ms)
         .def_readonly("sample_ms", &StepResult::sample_ms)
+        .def_readonly("head_ms", &StepResult::head_ms)
+        .def_readonly("head_rows", &StepResult::head_rows)
         .def_readonly("rollback_ms", &StepResult::rollback_ms)
         .def_readonly("rollback", &StepResult::rollback)
         .def_readonly("step_ms", &StepResult::step_ms);
@@ -2444,6 +2594,8 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_pending", &Session::pending_rows)
         .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture)
+        .def("set_head_on_demand", &Session::set_head_on_demand, py::arg("on"))
+        .def_property_readonly("head_on_demand", &Session::head_on_demand_active)
         .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),
              py::call_guard<py::gil_scoped_release>())
@@ -2454,12 +2606,12 @@ PYBIND11_MODULE(_native, m) {
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
              py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::call_guard<py::gil_scoped_release>())
         .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
-             py::arg("rejection") = false, py::call_guard<py::gil_scoped_release>())
+             py::arg("rejection") = false, py::arg("head_rows") = 1, py::call_guard<py::gil_scoped_release>())
         .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
-                        uint64_t index) {
+                        uint64_t index, int head_rows) {
                  Sampler plain(ss.target(), s);
-                 return ss.step(last, draft, plain, index, false);
-             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"),
+                 return ss.step(last, draft, plain, index, false, head_rows);
+             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"), py::arg("head_rows") = 1,
              py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
         .def("decode_rows", &Session::decode_rows, py::arg("tokens"), py::arg("pos"), py::arg("seq"),

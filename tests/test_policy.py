@@ -39,6 +39,23 @@ def test_sampling_cost_counts_once_per_token_made():
     assert p.choose() == 0
 
 
+def test_the_lm_head_on_demand_is_paid_per_token_made():
+    p = DraftPolicy(7)
+    # 3 drafts, 2 accepted: 60 ms of target time, 30 of them the LM head of the 3 rows read
+    p.update(3, 2, 60.0, 2.0, sample_ms=3.0, head_ms=30.0, head_rows=3)
+    assert p.head_ms == 10.0 and p.verify_ms[4] == 40.0  # T holds one row's head, as a plain step's
+    # rows past a rejection cost no head: drafts accepted 7 times in 10 pay where every row's head made them dear
+    on_demand = {k: 7.5 + 2.5 * k + 4.0 for k in range(1, 10)}  # CPU's rows with the head (4 ms) of one
+    q = trained(0.7, on_demand, DRAFT)
+    q.head_ms = 4.0
+    assert trained(0.7, CPU, DRAFT).choose() == 0 and q.choose() > 0
+    q.head_ms = 40.0  # a head this dear makes every token made dear: plain decoding again
+    assert q.choose() == 0
+    # the head's first batch: the rows a step likely reads (its own token's, and each draft likelier kept than not)
+    assert trained(0.3, CPU, DRAFT).likely_rows(7) == 1
+    assert trained(0.9, CPU, DRAFT).likely_rows(3) == 4 and trained(0.9, CPU, DRAFT).likely_rows(7) == 7  # 0.9^7 < 0.5
+
+
 def test_probes_unknown_sizes_and_after_long_plain_runs():
     p = DraftPolicy(7)
     assert p.choose() == 7  # nothing measured yet
