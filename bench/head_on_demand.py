@@ -18,7 +18,7 @@ import statistics
 import time
 
 from dflash_local import Engine, _native
-from dflash_local.bench import DEFAULT_PROMPTS, load_prompts, row_request
+from dflash_local.bench import DEFAULT_PROMPTS, load_prompts, own_continuation, row_request
 from dflash_local.models import default_drafter, default_target
 from dflash_local.ngram import NgramSpec
 
@@ -26,10 +26,7 @@ from dflash_local.ngram import NgramSpec
 def verify_costs(engine: Engine, block: int, repeats: int) -> None:
     s, sp = engine.session, _native.Sampling()
     last = s.prefill(engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"]), sp, 0)
-    p0, own = s.n_past, [last]
-    for i in range(block - 1):
-        own += s.step(own[-1], [], sp, i + 1).tokens
-    s.truncate(p0)
+    p0, own = s.n_past, own_continuation(s, last, block - 1, sp)
     wrong = (own[1] + 1) % engine.target.n_vocab
     print("k  | accepted: off, on (head)  | first rejected: off, on (head)  [ms]")
     for k in range(1, block + 1):

@@ -54,6 +54,15 @@ def load_prompts(path: str | None) -> list[dict]:
     return rows
 
 
+def own_continuation(s, last: int, n: int, sp) -> list[int]:
+    """`last` and the target's own continuation of n tokens (plain steps, sampling sp); the session is put back."""
+    p0, out = s.n_past, [last]
+    for i in range(n):
+        out += s.step(out[-1], [], sp, i + 1).tokens
+    s.truncate(p0)
+    return out
+
+
 def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int, float]:
     """Median target time T(k) for verifying k tokens, k = 1..block, whose drafts are all accepted (the target's own
     greedy continuation: on CPUs the LM head runs only for the rows read, so this is a batch's full cost)."""
@@ -64,11 +73,7 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int,
     ids = engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"])
     last = s.prefill(ids, sp, 0)
     s.checkpoint()  # a recurrent target's state comes back to p0 from here (a no-op for others)
-    p0 = s.n_past
-    own = [last]
-    for i in range(block - 1):
-        own += s.step(own[-1], [], sp, i + 1).tokens
-    s.truncate(p0)
+    p0, own = s.n_past, own_continuation(s, last, block - 1, sp)
     curve = {}
     for k in range(1, block + 1):
         times = []

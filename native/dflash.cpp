@@ -1620,6 +1620,7 @@ private:
     int probe_tail = 0;                // nodes asked after the head
     ggml_tensor * head_w = nullptr;    // the target's output matrix; null: llama.cpp computes the logits
     ggml_backend_t head_cpu = nullptr;
+    ggml_backend_set_n_threads_t head_set_threads = nullptr;
     bool lazy = false;                 // this decode stops after the final norm
     std::vector<float> hidden;         // [n_rows, n_embd] final-norm rows of the last on-demand decode
     int norm_seen = 0;                 // rows of them the eval callback copied
@@ -1659,11 +1660,11 @@ private:
             if (!head_cpu) {
                 fail("could not start a CPU backend for the LM head");
             }
+            head_set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+                ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
         }
-        auto * set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
-            ggml_backend_dev_backend_reg(ggml_backend_get_device(head_cpu)), "ggml_backend_set_n_threads");
-        if (set_threads) {
-            set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+        if (head_set_threads) {
+            head_set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
         }
         ggml_init_params ip = {ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false), nullptr, true};
         ggml_context * g = ggml_init(ip);

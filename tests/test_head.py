@@ -8,17 +8,9 @@ import pytest
 from fixtures import write_tiny_gemma4, write_tiny_qwen35
 
 from dflash_local import Engine, _native
+from dflash_local.bench import own_continuation
 
 GREEDY = _native.Sampling()
-
-
-def _own(s, last, n):
-    """`last` and the target's own greedy continuation of n tokens (plain steps), the session put back."""
-    p0, out = s.n_past, [last]
-    for i in range(n):
-        out += s.step(out[-1], [], GREEDY, i + 1).tokens
-    s.truncate(p0)
-    return out
 
 
 def _verify(s, last, draft, on, head_rows=1):
@@ -46,7 +38,7 @@ def test_rows_read_on_demand_are_llama_cpps_logits_bit_for_bit(which, gemma_targ
     last = s.prefill(e.prompt_tokens("def total(values):\n    s = 0\n"), GREEDY, 0)
     assert s.head_on_demand
     s.checkpoint()  # the recurrent target comes back here after each step
-    own = _own(s, last, 8)
+    own = own_continuation(s, last, 8, GREEDY)
     wrong = (own[3] + 1) % e.target.n_vocab
     cases = [
         (own[1:2], 1, 2),  # (draft, head_rows asked for, rows the head computes)
