@@ -19,9 +19,9 @@ longest draft, ngram.py), since the estimates of positions seldom reached lag be
 decodes plainly and probes every `probe_every` steps to keep learning, waiting twice as long after each probe that
 did not pay (up to `max_probe_every`). On CPUs a verified token costs nearly a plain step, so probes are kept
 cheap: one drafts only as far as drafts are likely to reach (while the chance that every draft before is accepted
-stays above PROBE_REACH), a probe whose drafts were all accepted is followed by one twice as long, and a new generation halves the wait rather
-than starting the back-off again (a server's prompts tend to be alike, and on held-out prompts the restarted
-back-off's probes cost 5% of plain speed, README "Deferred injection").
+stays above PROBE_REACH), a probe whose drafts were all accepted is followed by one twice as long, and a new
+generation halves the wait rather than starting the back-off again (a server's prompts tend to be alike, and on
+held-out prompts the restarted back-off's probes cost 5% of plain speed, README "Deferred injection").
 
 Some drafters rate their own drafts: a DSpark confidence head estimates, for each drafted token, the chance it is
 accepted; DFlash2's selector gives the probability of its path at each position. With such a rating the drafted
