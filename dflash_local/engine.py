@@ -180,6 +180,7 @@ class Engine:
             n_rs_seq=self.max_draft if n_rs_seq is None else n_rs_seq,
         )
         self.n_ctx = self.n_ctx or self.session.n_ctx
+        placement.check_weights({"target": self._memory("target"), "drafter": self._memory("drafter")})
         if self.draft_model is not None:
             self.drafter = NativeDrafter(self.session)
 

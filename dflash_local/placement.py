@@ -15,6 +15,9 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 CPU_MOE_PATTERN = r"blk\.{}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 # llama_load_mode by (mmap, mlock)
 LOAD_MODES = {(True, False): -1, (False, False): 0, (False, True): 2, (True, True): 3}
+REPACK = {"target": (True, False), "draft": (False, True), "all": (True, True)}  # --repack WHICH: (target, drafter)
+# ggml's AMX matmul (Intel Sapphire Rapids and later) crashes in its tile path, any batch of 2+ rows: see README, "CPUs"
+AMX_CRASH = "ggml-org/llama.cpp#20824"
 
 
 class PlacementError(ValueError):
@@ -32,7 +35,8 @@ class Placement:
     n_cpu_moe: int = 0
     mmap: bool = True
     mlock: bool = False
-    repack: bool = False
+    repack: bool = False  # the target's weights in ggml's extra buffer types (CPU_REPACK, AMX): --repack target
+    repack_draft: bool = False  # the drafter's: --repack draft
     n_threads: int | None = None  # None: all cores
     n_threads_batch: int | None = None  # None: n_threads
     n_batch: int = 512
@@ -106,6 +110,10 @@ class Placement:
                 raise PlacementError(f"-ot {pattern}={buft}: unknown buffer type (this build has {', '.join(bufts)})")
         if self.n_cpu_moe < 0:
             raise PlacementError(f"--n-cpu-moe {self.n_cpu_moe}: give a number of layers >= 0")
+        if (self.repack or self.repack_draft) and "AMX" in _native.extra_buffer_types():
+            raise PlacementError(f"--repack: this CPU has AMX, and with this llama.cpp repacked weights go to ggml's "
+                                 f"AMX buffer, whose matmul crashes the process on any batch of 2 or more rows "
+                                 f"({AMX_CRASH}); run without --repack")
         if any(n is not None and n < 1 for n in (self.n_threads, self.n_threads_batch)):
             raise PlacementError("-t and -tb need at least 1 thread")
         if self.n_batch < 1 or not 1 <= self.n_ubatch <= self.n_batch:
@@ -132,13 +140,27 @@ class Placement:
                         raise PlacementError(f"{flag} {name}: the {info.arch} model's attention heads hold {size} "
                                              f"values, not a multiple of {name}'s block of 32")
 
+    def check_weights(self, memory: dict) -> None:
+        """Read back where llama.cpp put each model's weights (its memory report, per context): in ggml's extra
+        buffer types only where --repack asked for it. Their kernels change rounding with the batch size, and on AMX
+        CPUs crash; nothing but the flag may put weights there."""
+        from . import _native
+
+        extra = set(_native.extra_buffer_types())
+        for which, asked in (("target", self.repack), ("drafter", self.repack_draft)):
+            landed = sorted({row["buffer_type"] for row in memory.get(which, []) if row["model"]} & extra)
+            if landed and not asked:
+                raise PlacementError(f"the {which}'s weights went to {', '.join(landed)} though --repack did not "
+                                     f"ask for it")
+
     # -- what goes to the native module ---------------------------------------------------------------------------
 
     def model_kwargs(self, draft: bool = False) -> dict:
         """Keyword arguments of _native.Model for the target (or the drafter: its own GPU layers, no overrides)."""
         return dict(
             n_gpu_layers=self.draft_gpu_layers if draft else self.n_gpu_layers,
-            repack=True if draft else self.repack,  # drafts need no bit-exactness
+            # off unless asked, for the drafter too: its drafts need no bit-exactness, but AMX CPUs crash there
+            repack=self.repack_draft if draft else self.repack,
             split_mode=SPLIT_MODES.index(self.split_mode),
             main_gpu=self.main_gpu,
             tensor_split=list(self.tensor_split),
@@ -170,6 +192,7 @@ class Placement:
             "tensor_split": list(self.tensor_split),
             "overrides": [f"{p}={b}" for p, b in self.all_overrides()],
             "n_cpu_moe": self.n_cpu_moe,
+            "repack": [name for name, on in (("target", self.repack), ("draft", self.repack_draft)) if on],
             "flash_attn": self.fa,
             "cache_type_k": self.cache_type_k,
             "cache_type_v": self.cache_type_v,
@@ -251,11 +274,14 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                         "drafter's logits then agree with the float32 reference implementation to 3e-7)")
     g.add_argument("-ctvd", "--cache-type-v-draft", choices=CACHE_TYPES, metavar="TYPE",
                    help="drafter V cache type (default as -ctkd)")
-    g.add_argument("--repack", action="store_true", help="repacked CPU weights for the target (faster; rounds a "
-                   "verify batch differently from plain decoding)")
+    g.add_argument("--repack", nargs="?", const="target", choices=list(REPACK), metavar="target|draft|all",
+                   help="put the weights of the target (the default), the drafter or both in ggml's repacked CPU "
+                        "buffers: faster on some CPUs; the target's then rounds a verify batch differently from "
+                        "plain decoding. Refused on CPUs with AMX, where ggml's AMX matmul crashes")
 
 
 def from_args(args) -> Placement:
+    repack, repack_draft = REPACK.get(args.repack, (False, False))
     return Placement(
         n_gpu_layers=args.n_gpu_layers,
         n_gpu_layers_draft=args.n_gpu_layers_draft,
@@ -266,7 +292,8 @@ def from_args(args) -> Placement:
         n_cpu_moe=args.n_cpu_moe,
         mmap=not args.no_mmap,
         mlock=args.mlock,
-        repack=args.repack,
+        repack=repack,
+        repack_draft=repack_draft,
         n_threads=args.threads,
         n_threads_batch=args.threads_batch,
         n_batch=args.batch_size,

@@ -211,6 +211,21 @@ static std::map<std::string, ggml_backend_buffer_type_t> buffer_types() {
     return out;
 }
 
+// ggml's extra buffer types (CPU_REPACK, AMX, ...): where llama.cpp puts weights when use_extra_bufts is on, to run
+// them with kernels that switch with the batch size. Listed so that a model's placement can be read back and checked.
+static std::vector<std::string> extra_buffer_types() {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        auto get = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts");
+        for (ggml_backend_buffer_type_t * b = get ? get(dev) : nullptr; b && *b; ++b) {
+            out.push_back(ggml_backend_buft_name(*b));
+        }
+    }
+    return out;
+}
+
 // Where a model's weights go: the llama_model_params fields a user sets (llama.cpp's -ngl, -sm, -mg, -ts, -ot,
 // --load-mode).
 struct Placement {
@@ -2454,6 +2469,8 @@ PYBIND11_MODULE(_native, m) {
         }
         return names;
     }, "Buffer type names -ot can use: each device's default buffer type, as llama.cpp lists them.");
+    m.def("extra_buffer_types", &extra_buffer_types,
+          "ggml's extra buffer types in this build on this CPU (CPU_REPACK, AMX, ...): where repacked weights go.");
     m.def("gpu_devices", []() {
         std::vector<std::string> names;
         for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {

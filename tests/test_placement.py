@@ -13,9 +13,9 @@ from conftest import make_prompts
 from fixtures import write_tiny_drafter, write_tiny_moe
 from scripted import ScriptedDrafter
 
-from dflash_local import Engine
+from dflash_local import Engine, _native
 from dflash_local.cli import main
-from dflash_local.placement import add_placement_args, from_args
+from dflash_local.placement import PlacementError, add_placement_args, from_args
 from dflash_local.tui.app import ChatApp
 from dflash_local.tui.panels import ModelPanel
 
@@ -186,3 +186,68 @@ def test_gemma_cli_q8_0_cache(gemma_target, gemma_drafter, tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == (
         "dflash-local: error: a quantized V cache (-ctv) needs flash attention: add -fa on (or auto)")
+
+
+# -- where the weights land: ggml's extra buffer types (CPU_REPACK, AMX) only when --repack asks ----------------------
+
+
+@pytest.fixture(scope="module")
+def q4_0_drafter(models_dir, gemma_target, gemma_drafter):
+    """The gemma-shaped drafter quantized to q4_0 by llama.cpp's quantizer: q4_0 weights are what ggml repacks on
+    x86 (AVX2) and Arm CPUs, so an unasked repack shows on any CI machine, not only on AMX ones."""
+    from dflash_local.convert.llama_quantize import quantize_gguf
+
+    out = models_dir / "gemma-drafter-q4_0.gguf"
+    quantize_gguf(gemma_drafter, out, 2)  # LLAMA_FTYPE_MOSTLY_Q4_0
+    return out
+
+
+def extra_weight_bytes(engine, which):
+    """Bytes of the model's weights in ggml's extra buffer types, read back from llama.cpp's memory report."""
+    extra = set(_native.extra_buffer_types())
+    return sum(row["model"] for row in engine.model_info()["memory"][which] if row["buffer_type"] in extra)
+
+
+@pytest.mark.parametrize("flags", [[], ["--repack"], ["--repack", "draft"], ["--repack", "all"]],
+                         ids=["default", "target", "draft", "all"])
+def test_weights_go_to_extra_buffers_only_when_asked(gemma_target, q4_0_drafter, flags):
+    pl = placement(*flags)
+    e = Engine(gemma_target, q4_0_drafter, n_ctx=256, placement=pl)
+    asked = {"target": pl.repack, "drafter": pl.repack_draft}
+    assert (e.target.repack, e.draft_model.repack) == (asked["target"], asked["drafter"])  # the params llama.cpp got
+    assert e.model_info()["placement"]["repack"] == [w for w, on in (("target", pl.repack),
+                                                                       ("draft", pl.repack_draft)) if on]
+    for which, on in asked.items():
+        if not on:
+            assert extra_weight_bytes(e, which) == 0, which
+        elif _native.extra_buffer_types():  # a build without any (no repack for this CPU) has nothing to show
+            assert extra_weight_bytes(e, which) > 0, which
+
+
+def test_the_default_pair_loads_no_weights_in_extra_buffers(gemma_target):
+    from dflash_local.models import default_drafter
+
+    e = Engine(gemma_target, default_drafter(), n_ctx=256)
+    assert not e.target.repack and not e.draft_model.repack
+    assert extra_weight_bytes(e, "target") == extra_weight_bytes(e, "drafter") == 0
+
+
+def test_weights_in_unasked_extra_buffers_are_refused():
+    extra = _native.extra_buffer_types() or pytest.skip("this build has no extra buffer types on this CPU")
+    memory = {"target": [{"buffer_type": "CPU_Mapped", "model": 10}],
+              "drafter": [{"buffer_type": extra[0], "model": 10}, {"buffer_type": "CPU_Mapped", "model": 10}]}
+    with pytest.raises(PlacementError, match=f"the drafter's weights went to {extra[0]}"):
+        placement().check_weights(memory)
+    placement("--repack", "draft").check_weights(memory)
+    with pytest.raises(PlacementError, match="the target's weights"):
+        placement("--repack", "draft").check_weights({"target": memory["drafter"]})
+
+
+def test_repack_is_refused_on_amx_cpus(moe, monkeypatch, capsys):
+    # ggml's AMX matmul crashes the process (README, "CPUs"); this CPU may have no AMX, so its list is given
+    monkeypatch.setattr(_native, "extra_buffer_types", lambda: ["AMX", "CPU_REPACK"])
+    placement().check(drafting=True)
+    for which in ("target", "draft", "all"):
+        assert main(["generate", "-m", str(moe), "-p", "Hi", "-n", "2", "--repack", which]) == 2
+        err = capsys.readouterr().err
+        assert "this CPU has AMX" in err and "ggml-org/llama.cpp#20824" in err and "Traceback" not in err
