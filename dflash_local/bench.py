@@ -11,7 +11,9 @@ peer row. Greedy outputs must be token-identical to the baseline: any mismatch f
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -86,19 +88,60 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int,
     return curve
 
 
-def prompt_lookup_speed(model_path, row: dict, max_tokens: int, n_threads: int, n_ctx: int) -> float:
-    """Tokens/s of llama-cpp-python's own prompt-lookup speculative decoding (what a user might pick instead)."""
+# the peer runs in a process of its own: one that crashes (llama.cpp's AMX matmul does, on Intel CPUs with AMX) is a
+# row that says so, not the end of the bench
+PEER_CHILD = [sys.executable, "-c", "from dflash_local.bench import prompt_lookup_child; prompt_lookup_child()"]
+
+
+def run_peer(argv: list[str], job: dict, timeout: float = 3600) -> tuple[dict | None, str | None]:
+    """Run a peer process with `job` as JSON on its stdin: (its JSON result, None), or (None, why it failed)."""
+    try:
+        r = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:g} s"
+    if r.returncode < 0:
+        return None, f"crashed ({signal.Signals(-r.returncode).name})"
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"failed (exit {r.returncode}): {last[:200]}"
+    return json.loads(lines[-1]), None
+
+
+def prompt_lookup_child() -> None:
+    """The peer process: llama-cpp-python's own prompt-lookup speculative decoding (what a user might pick instead)
+    on one prompt; prints its tokens/s."""
+    import llama_cpp.llama_cpp as ll
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    llm = Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, verbose=False,
+    job = json.load(sys.stdin)
+    # Llama() has no switch for ggml's extra buffer types and turns them on; our models load without them (AMX CPUs
+    # crash in them), and so does the peer
+    defaults = ll.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    ll.llama_model_default_params = without_extra_buffers
+    llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=job["n_threads"], verbose=False,
                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    row = job["row"]
     t0 = time.perf_counter()
     if "messages" in row:
-        out = llm.create_chat_completion(row["messages"], max_tokens=max_tokens, temperature=0)
+        out = llm.create_chat_completion(row["messages"], max_tokens=job["max_tokens"], temperature=0)
     else:
-        out = llm.create_completion(row["prompt"], max_tokens=max_tokens, temperature=0)
-    return out["usage"]["completion_tokens"] / (time.perf_counter() - t0)
+        out = llm.create_completion(row["prompt"], max_tokens=job["max_tokens"], temperature=0)
+    print(json.dumps({"tokens_per_second": out["usage"]["completion_tokens"] / (time.perf_counter() - t0)}))
+
+
+def prompt_lookup_speed(model_path, row: dict, max_tokens: int, n_threads: int, n_ctx: int):
+    """(tokens/s, None) of the prompt-lookup peer on one prompt, or (None, why it failed)."""
+    job = {"model": str(model_path), "row": row, "max_tokens": max_tokens, "n_threads": n_threads, "n_ctx": n_ctx}
+    out, error = run_peer(PEER_CHILD, job)
+    return (out["tokens_per_second"] if out else None), error
 
 
 def row_request(row: dict) -> dict:
@@ -138,12 +181,13 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
             r["_ngram_summary"] = both.summary
         if peer:
-            r["prompt_lookup_tokens_per_second"] = prompt_lookup_speed(
+            r["prompt_lookup_tokens_per_second"], r["prompt_lookup_error"] = prompt_lookup_speed(
                 engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
         rows.append(r)
         log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
+            + (f", prompt-lookup peer {r['prompt_lookup_error']}" if r.get("prompt_lookup_error") else "")
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
 
     block = engine.max_draft + 1  # tokens a full block verifies
@@ -193,9 +237,14 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
                             "ngram_accepted": both.ngram_accepted,
                             "mean_acceptance_length": both.mean_acceptance_length}
     if peer:
-        overall["prompt_lookup_tokens_per_second"] = statistics.mean(r["prompt_lookup_tokens_per_second"]
-                                                                     for r in rows)
+        speeds = [r["prompt_lookup_tokens_per_second"] for r in rows if r["prompt_lookup_tokens_per_second"]]
+        overall["prompt_lookup_tokens_per_second"] = statistics.mean(speeds) if speeds else None
+        overall["prompt_lookup_errors"] = sum(1 for r in rows if r["prompt_lookup_error"])
     return {"rows": rows, "overall": overall}
+
+
+def _speed(tokens_per_second: float | None, error: str | None) -> str:
+    return f"{tokens_per_second:.1f}" if tokens_per_second else str(error)
 
 
 def markdown(result: dict) -> str:
@@ -210,11 +259,13 @@ def markdown(result: dict) -> str:
                      f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | "
                      f"{r['dflash_fixed_tokens_per_second']:.1f} | {r['fixed_mean_acceptance_length']:.2f} |"
                      + (f" {r['ngram_tokens_per_second']:.1f} | {r['ngram_speedup']:.2f} |" if ngram else "")
-                     + (f" {r['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
+                     + (f" {_speed(r['prompt_lookup_tokens_per_second'], r['prompt_lookup_error'])} |" if peer
+                        else ""))
     lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
                  f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
                  + (f" {o['ngram_tokens_per_second']:.1f} | {o['speedup_ngram']:.2f} |" if ngram else "")
-                 + (f" {o['prompt_lookup_tokens_per_second']:.1f} |" if peer else ""))
+                 + (f" {_speed(o['prompt_lookup_tokens_per_second'], 'failed on every prompt')} |" if peer
+                    else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
               f"Rollback {o['rollback_ms_per_rollback']:.3f} ms per rejected draft ({o['rollbacks']} rollbacks, "
@@ -222,6 +273,9 @@ def markdown(result: dict) -> str:
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
               f"Lossless: {o['lossless']}."]
+    if peer and o["prompt_lookup_errors"]:
+        errors = [r["prompt_lookup_error"] for r in result["rows"] if r["prompt_lookup_error"]]
+        lines[-1] += f" The prompt-lookup peer failed on {len(errors)} of {o['prompts']} prompts ({errors[0]})."
     if ngram:
         g = o["ngram"]
         lines[-1] += (f" With n-gram drafts (ngram-simple, n = {g['size_n']}, m = {g['size_m']}): "

@@ -22,6 +22,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
                 "lossless", "verify_ms", "draft_ms_per_step", "ideal_speedup", "prompt_lookup_tokens_per_second"):
         assert key in o
     assert o["lossless"] is True and o["prompts"] == 2 and o["reasoning"] == "off"
+    assert o["prompt_lookup_tokens_per_second"] > 0 and o["prompt_lookup_errors"] == 0
     assert sorted(int(k) for k in o["verify_ms"]) == list(range(1, 9))
     assert len(result["rows"]) == 2 and all(row["lossless"] for row in result["rows"])
     assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
@@ -57,3 +58,28 @@ def test_reasoning_flags_become_template_variables():
     # --chat-template-kwargs has the last word
     assert kwargs(reasoning="off", chat_template_kwargs={"enable_thinking": True, "x": 1}) == \
         {"enable_thinking": True, "x": 1}
+
+
+def test_a_peer_that_crashes_is_a_row_and_the_bench_goes_on(tiny_engine, monkeypatch):
+    from dflash_local import bench
+
+    # the peer process dies as llama.cpp's AMX matmul kills it on Intel CPUs with AMX
+    monkeypatch.setattr(bench, "PEER_CHILD", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
+                                                                    "signal.SIGSEGV)"])
+    result = bench.run_bench(tiny_engine, [{"prompt": "Hello world"}, {"prompt": "def f(x):"}], 12, log=lambda m: None)
+    o = result["overall"]
+    assert o["lossless"] and o["prompt_lookup_errors"] == 2 and o["prompt_lookup_tokens_per_second"] is None
+    assert all(r["prompt_lookup_error"] == "crashed (SIGSEGV)" for r in result["rows"])
+    md = bench.markdown(result)
+    assert "| crashed (SIGSEGV) |" in md and "failed on 2 of 2 prompts (crashed (SIGSEGV))" in md
+
+
+def test_a_peer_that_fails_says_why():
+    from dflash_local.bench import run_peer
+
+    fail = [sys.executable, "-c", "import sys; print('no such model', file=sys.stderr); sys.exit(3)"]
+    assert run_peer(fail, {}) == (None, "failed (exit 3): no such model")
+    echo = [sys.executable, "-c", "import json, sys; print(json.dumps({'got': json.load(sys.stdin)}))"]
+    assert run_peer(echo, {"a": 1}) == ({"got": {"a": 1}}, None)
+    assert run_peer([sys.executable, "-c", "import time; time.sleep(5)"], {}, timeout=0.5) == (
+        None, "timed out after 0.5 s")
