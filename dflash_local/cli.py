@@ -185,7 +185,8 @@ def _pair(args):
     return default_target(), None if no_drafter else args.draft or default_drafter()
 
 
-def _load_engine(args):
+def _load_engine(args, drafter: bool = True):
+    """The engine the flags ask for; drafter=False: the same without the DFlash drafter (the n-gram lookup stays)."""
     from .engine import Engine
 
     if args.rpc:
@@ -193,6 +194,7 @@ def _load_engine(args):
 
         add_servers(args.rpc)
     model, draft = _pair(args)
+    draft = draft if drafter else None
     print(f"dflash-local: loading {Path(model).name}" + (f" and {Path(draft).name}" if draft else ""),
           file=sys.stderr)
     return Engine(
@@ -298,7 +300,7 @@ def cmd_serve(args) -> int:
     from .server import serve
 
     alias = args.alias or Path(_pair(args)[0]).stem
-    return serve(args, lambda: _load_engine(args), alias)
+    return serve(args, lambda: _load_engine(args), alias, lambda: _load_engine(args, drafter=False))
 
 
 def cmd_tui(args) -> int:

@@ -47,6 +47,7 @@ class State:
         self.engine: Engine | None = None
         self.runner: Runner | None = None
         self.error: str | None = None
+        self.drafter_error: str | None = None  # the drafter failed to load: serving the target without it
         self.loaded = threading.Event()
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -84,7 +85,10 @@ class State:
 
 
 def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | None = None,
-               max_queue: int = 32, n_predict: int = N_PREDICT, reasoning_format: str = "auto") -> FastAPI:
+               max_queue: int = 32, n_predict: int = N_PREDICT, reasoning_format: str = "auto",
+               load_without_drafter: Callable[[], Engine] | None = None) -> FastAPI:
+    """load_without_drafter: when load_engine fails and this loads, the fault was the drafter's: the server stays up
+    and serves the target with plain decoding (and n-gram drafts if asked), saying so in its log, /health and /props."""
     state = State(alias, api_key, max_queue, n_predict, reasoning_format)
 
     async def lifespan(app):
@@ -93,6 +97,15 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
                 state.engine = load_engine()
             except Exception as e:
                 state.error = str(e)
+            if state.engine is None and load_without_drafter is not None:
+                try:
+                    state.engine = load_without_drafter()
+                except Exception:
+                    pass  # the target itself fails: its first error says why
+                else:
+                    state.drafter_error, state.error = state.error, None
+                    print(f"dflash-local: warning: the drafter failed to load: {state.drafter_error}; serving "
+                          f"'{alias}' without it", file=sys.stderr)
             state.loaded.set()
 
         threading.Thread(target=load, name="dflash-load", daemon=True).start()
@@ -106,7 +119,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.get("/health")
     async def health():
         if state.engine is not None:
-            return {"status": "ok"}
+            return {"status": "ok"} | ({"drafter_error": state.drafter_error} if state.drafter_error else {})
         if state.error:
             return JSONResponse({"status": "error", "error": state.error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
@@ -130,7 +143,9 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.get("/props")
     async def get_props(request: Request):
         state.check_key(request)
-        return props(state.ready(), state.alias, state.n_predict)
+        body = props(state.ready(), state.alias, state.n_predict)
+        body["speculative"]["drafter_error"] = state.drafter_error
+        return body
 
     @app.post("/apply-template")
     async def apply_template(body: ChatRequest, request: Request):
@@ -217,11 +232,13 @@ async def watch_disconnect(request: Request, job: Job) -> None:
         await asyncio.sleep(0.25)
 
 
-def serve(args, load_engine: Callable[[], Engine], alias: str) -> int:
+def serve(args, load_engine: Callable[[], Engine], alias: str,
+          load_without_drafter: Callable[[], Engine] | None = None) -> int:
     import uvicorn
 
     n_predict = N_PREDICT if args.n_predict is None else args.n_predict
-    app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict, args.reasoning_format)
+    app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict, args.reasoning_format,
+                     load_without_drafter)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     server = uvicorn.Server(config)
     state = app.state.dflash

@@ -640,3 +640,36 @@ def test_waiting_streams_get_sse_comment_keepalives(tiny_target, monkeypatch):
         assert all(f.startswith("data: ") or f == ": keep-alive" for f in frames)
     finally:
         s.stop()
+
+
+def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_drafter, tmp_path):
+    # a drafter whose tensor data is cut short: its header reads, llama.cpp fails to load it
+    broken = tmp_path / "broken-drafter.gguf"
+    data = tiny_drafter.read_bytes()
+    broken.write_bytes(data[:len(data) - 4096])
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "-d", str(broken),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.time() + 120
+        while time.time() < end and proc.poll() is None:
+            try:
+                health = httpx.get(url + "/health")
+                if health.status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        assert "broken-drafter.gguf" in health.json()["drafter_error"]
+        spec = httpx.get(url + "/props").json()["speculative"]
+        assert spec["drafter"] is None and "broken-drafter.gguf" in spec["drafter_error"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200
+        plain = Engine(tiny_target, n_ctx=1024).complete("Hello world", max_tokens=12)
+        assert r.json()["choices"][0]["text"] == plain.text
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "warning: the drafter failed to load" in proc.stderr.read()
