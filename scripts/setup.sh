@@ -23,9 +23,12 @@ LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
 # only where they match.
 cpu_flags() {
     case "${DFLASH_CPUINFO:+file}$(uname -s)" in
-    file* | Linux) # x86 "flags", Arm "Features", RISC-V "isa"; the first processor's
-        awk '/^(flags|Features|isa)[[:space:]]*:/ {sub(/^[^:]*:/, ""); print; exit}' \
-            "${DFLASH_CPUINFO:-/proc/cpuinfo}" ;;
+    file* | Linux) # the first processor's Arm "Features", RISC-V "isa", or x86 "flags": of those only the
+        # instruction sets, since the kernel adds others (mitigations, timers) that change with a kernel or VM host
+        awk -v isa='^(avx|amx|sse|ssse3|fma|f16c|bmi|popcnt|abm|lzcnt|aes|vaes|pclmul|vpclmul|sha_ni|gfni|movbe|adx|rd(rand|seed)|xsave|clflushopt|clwb|fsgsbase|cx16|movdir|serialize|waitpkg|lm$)' '
+            /^(Features|isa)[[:space:]]*:/ {sub(/^[^:]*:/, ""); print; exit}
+            /^flags[[:space:]]*:/ {sub(/^[^:]*:/, ""); n = split($0, f, " ")
+                for (i = 1; i <= n; i++) if (f[i] ~ isa) print f[i]; exit}' "${DFLASH_CPUINFO:-/proc/cpuinfo}" ;;
     Darwin) # Intel Macs list CPUID features; Apple silicon has none, but hw.optional.* = 1 for what it has
         sysctl -n machdep.cpu.features machdep.cpu.leaf7_features 2>/dev/null ||
             sysctl hw.optional | awk -F': ' '$2 == 1 {print $1}'
