@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
-from fixtures import write_tiny_target
+from fixtures import with_inf_in_fc, write_tiny_target
 from zlab import edit_config, write_checkpoint, zlab2_config, zlab_config
 
 from dflash_local import Engine, _native
@@ -318,3 +318,20 @@ def test_gemma_f16_dflash2_drafts_as_its_f32_and_losslessly(work, gemma_target, 
         kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
         assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
 
+
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_nan_ratings_neither_raise_nor_change_the_output(work, converted, target, policy):
+    """Whatever breaks a drafter's numbers (an f16 GGUF of an older converter, or upstream's), NaN ratings count as
+    no confidence (policy.py): neither policy raises, and the output stays plain decoding's."""
+    path = with_inf_in_fc(converted("f32"), work / f"out/drafter2-nan-{policy}.gguf")
+    tm = _native.Model(str(target))
+    s = _native.Session(tm, _native.Model(str(path)), [i + 1 for i in LAYER_IDS], 512, 2, True, False)
+    d = s.draft(s.prefill(tm.tokenize("Q: river code?\nA:", True, False), _native.Sampling(), 0), 3, True)
+    assert np.isnan(d.confidence).all()
+    e = Engine(target, path, n_ctx=512, draft_policy=policy)
+    drafted = 0
+    for p in make_prompts(4, seed=9):
+        spec = e.complete(p, max_tokens=24)
+        assert spec.token_ids == e.complete(p, max_tokens=24, draft=False).token_ids, p
+        drafted += spec.summary.n_drafted
+    assert drafted > 0  # the adaptive policy probes the drafter now and then, and verifies what it rated NaN
