@@ -280,7 +280,8 @@ def add_convert_args(p) -> None:
     p.add_argument("-m", "--target", required=True, help="the target model's GGUF (tokenizer and shapes come from it)")
     p.add_argument("-o", "--output", help="GGUF to write (default: <name>-<outtype>.gguf in the current directory)")
     p.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
-                   help="weight type (default f16); K-quants are made by llama.cpp's quantizer; norms stay f32")
+                   help="weight type (default f16); K-quants are made by llama.cpp's quantizer; norms stay f32, and "
+                        "fc, which reads the target's raw hidden states, stays f32 where it would be f16")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a Hub id")
     p.add_argument("--draft-vocab", metavar="FILE",
                    help="reduced draft vocabulary: a file of target token ids (JSON list or whitespace separated); "

@@ -2,7 +2,8 @@
 
 f32/f16/bf16/q8_0/q4_0 are encoded here with gguf-py's reference quantizers; the K-quant mixes (q4_k_m, q5_k_m,
 q6_k) are made by llama.cpp's own quantizer from a staged file (llama_quantize.py), since their per-tensor choices
-(which tensors get more bits) live there. Norms always stay f32, as in every llama.cpp conversion.
+(which tensors get more bits) live there. Norms always stay f32, as in every llama.cpp conversion, and so does fc
+where the matrices would be f16 (F32_NOT_F16).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ OUTTYPES = {
     "q6_k": OutType("q6_k", None, LlamaFileType.MOSTLY_Q6_K),
 }
 
+# fc multiplies the target's raw hidden states, and ggml's f16 matmul rounds its input to f16 first: a target's outlier
+# activations past f16's 65,504 (gemma-3-270m's reach 100,975 at the first position) become inf, then every draft
+# NaN. Upstream's converter writes it f16 and has that bug; kept f32, this one tensor doubles in size.
+F32_NOT_F16 = frozenset({"fc.weight"})
+
 SLAB_BYTES = 32 << 20  # float32 bytes converted at once: bounds the working memory whatever the tensor size
 
 
@@ -50,9 +56,11 @@ def tensor_type(t: PlannedTensor, matrix_type: GGMLQuantizationType) -> GGMLQuan
     if t.kind == "vector":
         return Q.F32
     block, _ = GGML_QUANT_SIZES[matrix_type]
-    if t.shape[1] % block:
-        return Q.F16  # rows that do not split into whole blocks cannot be quantized (upstream falls back alike)
-    return matrix_type
+    # rows that do not split into whole blocks cannot be quantized (upstream falls back alike)
+    qtype = Q.F16 if t.shape[1] % block else matrix_type
+    if qtype == Q.F16 and t.name in F32_NOT_F16:
+        return Q.F32
+    return qtype
 
 
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

@@ -34,6 +34,7 @@ calibration keeps learning at low ratings too.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,11 +165,17 @@ class DraftPolicy:
         return self.max_draft
 
     @staticmethod
-    def _bin(rating: float) -> int:
-        return min(max(int(rating * BINS), 0), BINS - 1)
+    def _rating(rating: float) -> float:
+        """A NaN or infinite rating (a drafter whose activations overflowed) is no confidence at all."""
+        return rating if math.isfinite(rating) else 0.0
+
+    @classmethod
+    def _bin(cls, rating: float) -> int:
+        return min(max(int(cls._rating(rating) * BINS), 0), BINS - 1)
 
     def calibrated(self, rating: float) -> float:
         """The chance that a draft the drafter rated `rating` is accepted once the drafts before it were."""
+        rating = self._rating(rating)
         b = self._bin(rating)
         return (self.rated_accepted[b] + PRIOR * rating) / (self.rated_tried[b] + PRIOR)
 

@@ -1158,15 +1158,19 @@ private:
 };
 
 // Draw from softmax(row / temperature) with uniform u, writing that distribution to q (rejection sampling's drafts).
+// -1 for a row with no distribution (a NaN or infinite logit, from a drafter whose activations overflowed).
 static llama_token draw_tempered(const float * row, int n_vocab, float temperature, double u, float * q) {
     float lmin, lmax;
     logit_range(row, n_vocab, lmin, lmax);
     if (!std::isfinite(lmax)) {
-        fail("the drafter's logits are not finite");
+        return -1;
     }
     double z = 0.0;
     for (int i = 0; i < n_vocab; ++i) {
         z += temper(row[i], lmax, temperature);
+    }
+    if (!std::isfinite(z)) {  // a NaN logit that logit_range's compares passed over
+        return -1;
     }
     const double target = u * z;
     double cum = 0.0;
@@ -2282,6 +2286,9 @@ private:
                 float * q = &q_rows[(size_t) i * n_vocab];
                 const llama_token t = draw_tempered(row, n_vocab, sp.temperature,
                                                     uniform(second_seed(sp.seed, 1), index + i), q);
+                if (t < 0) {
+                    break;  // nothing to draw from: the draft ends here, and what came before is still judged exactly
+                }
                 q_tokens.push_back(t);
                 d.tokens.push_back(t);
                 if (with_probs) {

@@ -7,6 +7,7 @@ OUTDIR/tiny-target.gguf and OUTDIR/tiny-drafter.gguf.
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -288,6 +289,17 @@ def write_tiny_drafter(path, target_path, *, target_layers=(2, 3), block_size=8,
     """A tiny DFlash drafter for the target, written by the product's own initialiser."""
     return init_drafter(path, target_path, target_layers=list(target_layers), block_size=block_size,
                         n_head=4, n_head_kv=2, head_dim=16, n_ff=128, seed=1, **kw)
+
+
+def with_inf_in_fc(src, dst) -> Path:
+    """A copy of an f32 drafter GGUF with one inf in fc.weight: every target feature row it projects, and so every
+    draft logit (and DFlash2 lattice score), comes out NaN, as an f16 fc made them on gemma-3's features."""
+    shutil.copyfile(src, dst)
+    fc = next(t for t in gguf.GGUFReader(dst, "r+").tensors if t.name == "fc.weight")
+    assert fc.tensor_type == gguf.GGMLQuantizationType.F32
+    fc.data[0, 0] = np.inf
+    fc.data.flush()
+    return Path(dst)
 
 
 def write_tiny_mamba(path, *, n_embd=32, n_layer=2, d_inner=64, d_state=8, d_conv=4, dt_rank=4) -> Path:

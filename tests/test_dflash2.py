@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
-from fixtures import write_tiny_target
+from fixtures import with_inf_in_fc, write_tiny_target
 from zlab import edit_config, write_checkpoint, zlab2_config, zlab_config
 
 from dflash_local import Engine, _native
@@ -206,11 +206,11 @@ def test_f32_torch_lattice_equals_ggml(converted, ckpt, target, source):
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0"])
 def test_quantized_drafts_agree_with_torch(converted, target, outtype):
-    """A quantized GGUF run by torch (dequantized) and by llama.cpp: the same top-1 logit and the same draft on
-    >= 99% of the positions. llama.cpp also rounds a q8_0 matmul's activations to 8 bits, about 1% of a logit here,
-    which decides near-ties of this random-weight drafter's logits (median top-2 gap 0.23, 2-3% of the positions
-    within 0.02): for q8_0 the 99% holds for the positions with a clear winner (gap > 3x the row's RMS error), and
-    every disagreement must be a near-tie."""
+    """A quantized GGUF run by torch (dequantized) and by llama.cpp: the same top-1 logit on >= 99% of the positions
+    and the same draft but after near-ties. llama.cpp also rounds a q8_0 matmul's activations to 8 bits, about 1% of
+    a logit here, which decides near-ties of this random-weight drafter's logits (median top-2 gap 0.23, 2-3% of the
+    positions within 0.02): for q8_0 the 99% holds for the positions with a clear winner (gap > 3x the row's RMS
+    error), and every disagreement must be a near-tie."""
     path = converted(outtype)
     same = clear = agree = drafted = first = n = 0
     for d, _, logits, ref, last in run_both(target, path, path, make_prompts(6, seed=6), steps=6):
@@ -225,7 +225,10 @@ def test_quantized_drafts_agree_with_torch(converted, target, outtype):
         drafted += sum(a == b for a, b in zip(d.tokens, path))
         first += d.tokens[0] == path[0]
     if outtype == "f16":
-        assert same / n >= 0.99 and drafted / n >= 0.99, (same / n, drafted / n)
+        # one block of 36 goes another way (measured with fc kept f32: top-1 100%, drafts 98.0%): at its second
+        # position the 6th and 7th logits are 7e-4 apart, under the row's RMS error of 9e-4, so the top-6 candidate
+        # sets differ, and at its third the two best scores are 3e-5 apart
+        assert same / n >= 0.99 and drafted / n >= 0.97 and first / (n / 7) >= 0.99, (same / n, drafted / n)
     else:
         assert clear / n >= 0.8 and agree / clear >= 0.99 and same / n >= 0.95, (same / n, clear / n)
         # the selector's pairwise scores go through 8-bit codebooks too, and a path that takes another near-tie
@@ -248,18 +251,27 @@ def test_tiny_engine_is_lossless(converted, ckpt, target):
             assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, (backend, p)
 
 
-def test_gemma_dflash2_converts_with_the_cli_and_drafts_losslessly(work, gemma_target):
-    """The done-when of DFlash2: a checkpoint for gemma-3-270m's shapes (hidden 640, 262,144 tokens) converted by
-    `dflash-local convert`, named DFlash2 by `inspect`, and drafting token-identically to plain decoding."""
+GEMMA_LAYER_IDS = [1, 8, 15]
+
+
+@pytest.fixture(scope="module")
+def gemma_ckpt(work, gemma_target):
+    """A DFlash2 checkpoint for gemma-3-270m's shapes (hidden 640, 262,144 tokens)."""
     info = read_gguf(gemma_target)
     mask = dict((kv[0], kv[1]) for kv in tokenizer_kv(gemma_target))["tokenizer.ggml.mask_token_id"]
-    cfg = zlab2_config(hidden=640, n_layer=1, n_head=4, n_kv=2, head_dim=64, n_ff=512, target_layer_ids=[1, 8, 15],
-                       num_target_layers=info.get("block_count"), vocab_size=info.n_vocab, mask_token_id=mask,
-                       block_size=4, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
-    ckpt_dir = write_checkpoint(work / "gemma-DFlash2", cfg, n_shards=2)
+    cfg = zlab2_config(hidden=640, n_layer=1, n_head=4, n_kv=2, head_dim=64, n_ff=512,
+                       target_layer_ids=GEMMA_LAYER_IDS, num_target_layers=info.get("block_count"),
+                       vocab_size=info.n_vocab, mask_token_id=mask, block_size=4, conv_kernel_size=2,
+                       conv_group_size=16, selector_rank=16, selector_top_k=8)
+    return write_checkpoint(work / "gemma-DFlash2", cfg, n_shards=2)
+
+
+def test_gemma_dflash2_converts_with_the_cli_and_drafts_losslessly(work, gemma_target, gemma_ckpt):
+    """The done-when of DFlash2: a checkpoint for gemma-3-270m's shapes (hidden 640, 262,144 tokens) converted by
+    `dflash-local convert`, named DFlash2 by `inspect`, and drafting token-identically to plain decoding."""
     out = work / "gemma-out" / "gemma-dflash2-q8_0.gguf"
     cli = [sys.executable, "-m", "dflash_local"]
-    run = subprocess.run(cli + ["convert", str(ckpt_dir), "-m", str(gemma_target), "-o", str(out), "--outtype",
+    run = subprocess.run(cli + ["convert", str(gemma_ckpt), "-m", str(gemma_target), "-o", str(out), "--outtype",
                                 "q8_0", "-q"], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     run = subprocess.run(cli + ["inspect", str(out)], capture_output=True, text=True, check=True)
@@ -272,3 +284,54 @@ def test_gemma_dflash2_converts_with_the_cli_and_drafts_losslessly(work, gemma_t
         assert spec.summary.n_drafted > 0
         kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
         assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+
+
+def test_gemma_f16_dflash2_drafts_as_its_f32_and_losslessly(work, gemma_target, gemma_ckpt):
+    """The issue: with --outtype f16 this drafter's ratings were NaN and generate() raised. gemma-3-270m's layer
+    inputs pass f16's 65,504 at the first position (100,975 at layer 16), and ggml's f16 matmul rounds its input to
+    f16: an f16 fc turned that row inf, the drafter's context K/V NaN, and every logit and lattice score NaN. fc stays
+    f32 in an f16 GGUF now: the f16 drafter drafts what the f32 one does, rates it alike, and stays lossless."""
+    paths = [convert_drafter(gemma_ckpt, gemma_target, work / f"gemma-out/gemma-dflash2-{t}.gguf", t).path
+             for t in ("f16", "f32")]
+    t = read_gguf(paths[0]).tensors
+    assert t["fc.weight"].type == "F32" and t["blk.0.attn_q.weight"].type == "F16"
+    tm = _native.Model(str(gemma_target))
+    sessions = [_native.Session(tm, _native.Model(str(p)), [i + 1 for i in GEMMA_LAYER_IDS], 512, 2, False)
+                for p in paths]
+    greedy = _native.Sampling()
+    for p in make_prompts(3, seed=12):
+        ids = tm.tokenize(p, True, False)
+        drafts = []
+        for s in sessions:
+            s.truncate(0)
+            last = s.prefill(ids, greedy, 0)
+            assert np.abs(s.features()).max() > 65504  # what an f16 fc overflowed on
+            drafts.append(s.draft(last, 3, True))
+        f16, f32 = drafts
+        assert list(f16.tokens) == list(f32.tokens), p
+        np.testing.assert_allclose(f16.confidence, f32.confidence, rtol=1e-2)  # and so finite
+    e = Engine(gemma_target, paths[0], n_ctx=1024, draft_policy="fixed")
+    for i, p in enumerate(make_prompts(2, seed=12)):
+        spec, base = e.complete(p, max_tokens=12), e.complete(p, max_tokens=12, draft=False)
+        assert spec.token_ids == base.token_ids, p
+        assert spec.summary.n_drafted > 0
+        kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
+        assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+
+
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_nan_ratings_neither_raise_nor_change_the_output(work, converted, target, policy):
+    """Whatever breaks a drafter's numbers (an f16 GGUF of an older converter, or upstream's), NaN ratings count as
+    no confidence (policy.py): neither policy raises, and the output stays plain decoding's."""
+    path = with_inf_in_fc(converted("f32"), work / f"out/drafter2-nan-{policy}.gguf")
+    tm = _native.Model(str(target))
+    s = _native.Session(tm, _native.Model(str(path)), [i + 1 for i in LAYER_IDS], 512, 2, True, False)
+    d = s.draft(s.prefill(tm.tokenize("Q: river code?\nA:", True, False), _native.Sampling(), 0), 3, True)
+    assert np.isnan(d.confidence).all()
+    e = Engine(target, path, n_ctx=512, draft_policy=policy)
+    drafted = 0
+    for p in make_prompts(4, seed=9):
+        spec = e.complete(p, max_tokens=24)
+        assert spec.token_ids == e.complete(p, max_tokens=24, draft=False).token_ids, p
+        drafted += spec.summary.n_drafted
+    assert drafted > 0  # the adaptive policy probes the drafter now and then, and verifies what it rated NaN

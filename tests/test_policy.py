@@ -207,6 +207,20 @@ def test_ratings_are_calibrated_by_what_is_accepted():
     assert p.cut([0.95] * 5, 2.0) == 0
 
 
+def test_nan_and_infinite_ratings_count_as_no_confidence():
+    """A drafter whose activations overflowed rates its drafts NaN (an f16 DFlash2 drafter, test_dflash2.py): such a
+    rating is the least confident tenth, never an error."""
+    broken = [float("nan"), float("inf"), float("-inf")]
+    p = trained(0.8, CPU, DRAFT)
+    p.choose()
+    assert [p.calibrated(r) for r in broken] == [p.calibrated(0.0)] * 3
+    assert p.cut(broken, 2.0) == 0 and p.cut([0.95, 0.95] + broken, 2.0) == 2
+    for _ in range(3):
+        p.update(3, 1, CPU[4], 2.0, ratings=broken)
+    assert p.rated_tried[0] > 2.5 and sum(p.rated_tried) == p.rated_tried[0]  # all three in the lowest tenth
+    assert DraftPolicy(7, adaptive=False).cut(broken, 2.0) == 3  # fixed: the whole block, verified as ever
+
+
 def test_engine_cuts_rated_drafts_and_stays_lossless(tiny_target, tiny_drafter):
     """A scripted drafter that rates its planted errors low: the adaptive engine verifies up to them and no further
     (fewer rejected drafts per step than the same drafts unrated), and the output stays plain decoding's."""

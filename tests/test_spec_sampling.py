@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from fixtures import with_inf_in_fc
 
 from dflash_local import Engine
 from dflash_local.sampling import SamplingParams
@@ -121,6 +122,17 @@ def test_rejection_mode_through_the_engine(engine):
     # greedy decoding is the same in both modes, and equal to plain decoding
     greedy = engine.complete(PROMPT, max_tokens=40, spec_sampling="rejection")
     assert greedy.token_ids == engine.complete(PROMPT, max_tokens=40, draft=False).token_ids
+
+
+def test_rejection_mode_with_a_nan_drafter_samples_as_plain_decoding(tmp_path, tiny_target, tiny_drafter):
+    """A drafter whose logits are NaN has no distribution to draw drafts from: its draft ends there, no error, and
+    every step is the target's own draw, as in plain decoding with the same seed."""
+    e = Engine(tiny_target, with_inf_in_fc(tiny_drafter, tmp_path / "nan.gguf"), n_ctx=256, draft_policy="fixed",
+               n_threads=1)
+    kw = dict(max_tokens=20, temperature=0.8, seed=11)
+    spec = e.complete(PROMPT, spec_sampling="rejection", **kw)
+    assert spec.summary.n_drafted == 0 and spec.summary.steps > 10
+    assert spec.token_ids == e.complete(PROMPT, draft=False, **kw).token_ids
 
 
 def test_rejection_mode_refuses_what_it_cannot_verify(engine):
