@@ -31,9 +31,11 @@ if [ ! -d "$OUT/src/llama.cpp" ]; then
 fi
 echo "building llama-server from llama-cpp-python 0.3.36's llama.cpp (about 10 minutes on 2 cores)..." >&2
 cmake -S "$OUT/src/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$OUT/bin" >"$OUT/cmake.log" 2>&1 ||
+    -DLLAMA_BUILD_TESTS=OFF >"$OUT/cmake.log" 2>&1 ||
     { tail -20 "$OUT/cmake.log" >&2; exit 1; }
 cmake --build "$OUT/build" -j "$(nproc 2>/dev/null || sysctl -n hw.ncpu)" \
     --target llama-server llama-speculative-simple llama-bench llama-batched-bench >"$OUT/build.log" 2>&1 ||
     { tail -20 "$OUT/build.log" >&2; exit 1; }
+ln -sfn build/bin "$OUT/bin"  # llama.cpp's CMakeLists puts every binary in build/bin
+[ -x "$SERVER" ] || { echo "error: the build made no $SERVER" >&2; exit 1; }
 echo "$PWD/$SERVER"
