@@ -162,12 +162,8 @@ class Engine:
             sh = self.drafter.model.shape
             self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token, sh.anchor_first)
 
-        trained = self.spec.block_size if self.spec else 1
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be at least 1, got {block_size}")
-        self.block_size = min(block_size or trained, trained)
-        # the longest draft: a block's mask slots, and its anchor slot too for anchor-first DSpark drafters
-        self.max_draft = self.block_size - 1 + (1 if self.spec and self.spec.anchor_first else 0)
+        self.block_size = self._block_size(block_size)
+        self.max_draft = self._longest_draft(self.block_size)
         if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
             raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
 
@@ -210,6 +206,20 @@ class Engine:
     @property
     def has_drafter(self) -> bool:
         return self.drafter is not None
+
+    def _block_size(self, block_size: int | None) -> int:
+        """A block size as drafting uses it: at least 1 (else ValueError), at most the drafter's trained size (1
+        without a drafter), which None stands for."""
+        trained = self.spec.block_size if self.spec else 1
+        if block_size is None:
+            return trained
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block size must be an integer of at least 1, got {block_size!r}")
+        return min(block_size, trained)
+
+    def _longest_draft(self, block_size: int) -> int:
+        """The longest draft the drafter makes in a block of block_size (its spec's rule); 0 without a drafter."""
+        return self.spec.longest_draft(block_size) if self.spec else 0
 
     @property
     def spec_types(self) -> list[str]:

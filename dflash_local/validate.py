@@ -22,9 +22,16 @@ class DraftSpec:
     mask_token: int
     anchor_first: bool = False  # DSpark: the block's first slot drafts too, so a block drafts block_size tokens
 
+    def longest_draft(self, block_size: int) -> int:
+        """The longest draft of a block of block_size slots: its mask slots, and its anchor slot too when the
+        drafter is anchor-first (DSpark). The one copy of this rule on the Python side (native/dflash.cpp keeps its
+        own to bound the drafts it is asked for)."""
+        return block_size if self.anchor_first else block_size - 1
+
     @property
     def max_draft(self) -> int:
-        return self.block_size if self.anchor_first else self.block_size - 1
+        """The longest draft of a trained-size block."""
+        return self.longest_draft(self.block_size)
 
 
 def drafter_variant(draft: GGUFInfo) -> str:

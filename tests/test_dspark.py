@@ -123,10 +123,12 @@ def test_layout_pair_check_and_inspect(converted, tiny_target):
     info = read_gguf(converted("deepspec", "q8_0"))
     spec = check_pair(read_gguf(tiny_target), info)
     assert spec.anchor_first and spec.max_draft == BLOCK and spec.layers == [1, 2, 3]
+    assert spec.longest_draft(3) == 3  # anchor-first: every slot of a block drafts
     t = info.tensors
     assert t["markov_w1.weight"].shape == (32, info.n_vocab) and t["markov_w2.weight"].type == "Q8_0"
     assert t["conf_proj.weight"].shape == (64 + 32, 1) and t["conf_proj.bias"].type == "F32"
-    assert check_pair(read_gguf(tiny_target), read_gguf(converted("speculators", "f32"))).max_draft == BLOCK - 1
+    bonus = check_pair(read_gguf(tiny_target), read_gguf(converted("speculators", "f32")))
+    assert bonus.max_draft == BLOCK - 1 and bonus.longest_draft(3) == 2  # a bonus anchor slot drafts nothing
     path = converted("deepspec", "q8_0")
     run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(path)], capture_output=True, text=True,
                          check=True)
