@@ -297,6 +297,20 @@ def test_tiny_engine_is_lossless(converted, ckpt, tiny_target, schema):
                 e.complete("x", max_tokens=4, temperature=0.8, seed=1, spec_sampling="rejection")
 
 
+@pytest.mark.parametrize("schema", ["deepspec", "speculators"])
+def test_block_size_bounds_the_drafts_by_the_drafters_rule(converted, tiny_target, schema):
+    """The engine's block size and a generation's own (generate(block_size=)) give the longest draft by the
+    drafter's rule: every slot of an anchor-first block drafts, a bonus anchor slot does not."""
+    e = Engine(tiny_target, converted(schema, "f32"), n_ctx=512, n_threads=1, block_size=4, draft_policy="fixed")
+    extra = 1 if anchor_first(schema) else 0
+    assert e.max_draft == 3 + extra
+    p = make_prompts(1, seed=8)[0]
+    base = e.complete(p, max_tokens=24, draft=False)
+    events = list(e.generate(p, max_tokens=24, block_size=2))
+    assert events[-1].token_ids == base.token_ids
+    assert max(s.n_drafted for s in events if isinstance(s, StepStats)) == 1 + extra
+
+
 @pytest.fixture(scope="module")
 def qwen35(work):
     return write_tiny_qwen35(work / "tiny-qwen35.gguf")
