@@ -49,8 +49,7 @@ def logits_rows(engine: Engine, prompts: list[str], per_prompt: int = 8) -> list
     for p in prompts:
         ids = engine.prompt_tokens(p) + engine.complete(p, max_tokens=per_prompt, draft=False).token_ids
         for n in range(len(ids) - per_prompt, len(ids)):
-            engine.session.truncate(0)
-            engine._cached, engine._draft_valid = [], 0  # the session is driven by hand here
+            engine.cache.truncate(engine.session, 0)  # driven by hand below: the prompt cache then claims none of it
             engine.session.prefill(ids[:n], _native.Sampling(), 0)
             rows.append(engine.session.logits(-1))
     return rows

@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash_local.atomic import atomic_output
 from dflash_local.gguf_file import GGUFError, GGUFInfo, read_gguf
-from dflash_local.validate import PairError, check_pair
+from dflash_local.validate import PairError, check_checkpoint_pair, check_pair
 
 from .draft_vocab import read_token_ids, target_rows
 from .errors import ConvertError
@@ -45,41 +45,6 @@ class ConvertResult:
     size_bytes: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
-
-
-def check_against_target(c: DrafterConfig, target: GGUFInfo, warn) -> int:
-    """Check that the drafter was made for this target; return the mask token id to write."""
-    name = target.path.name
-    if not target.arch:
-        raise ConvertError(f"{name}: no general.architecture: not a model GGUF")
-    if target.arch == "dflash":
-        raise ConvertError(f"{name} is a DFlash drafter; --target must be the target model the drafter serves")
-    n_vocab, n_embd, n_layer = target.n_vocab, target.get("embedding_length"), target.n_layer
-    if not n_vocab or not n_embd or not n_layer:
-        raise ConvertError(f"{name}: missing tokenizer, embedding_length or block_count metadata")
-    if c.hidden != n_embd:
-        raise ConvertError(
-            f"drafter/target mismatch: the drafter's hidden size is {c.hidden}, {name} has {n_embd} "
-            f"(the drafter was made for another model)"
-        )
-    bad = [i for i in c.target_layer_ids if not 0 <= i <= n_layer - 2]
-    if bad:
-        raise ConvertError(
-            f"drafter/target mismatch: target_layer_ids {bad} do not exist in {name}, whose {n_layer} layers give "
-            f"features 0..{n_layer - 2} (the drafter was made for a deeper model)"
-        )
-    if c.num_target_layers and c.num_target_layers != n_layer:
-        warn(f"the drafter was trained on a {c.num_target_layers}-layer target, {name} has {n_layer} layers")
-    if c.vocab_size and c.vocab_size != n_vocab:
-        raise ConvertError(
-            f"drafter/target mismatch: the drafter's vocabulary has {c.vocab_size} tokens, {name} has {n_vocab}"
-        )
-    mask = c.mask_token_id
-    if mask is None:
-        mask = target.kv.get("tokenizer.ggml.mask_token_id")
-    if mask is not None and not 0 <= int(mask) < n_vocab:
-        raise ConvertError(f"drafter/target mismatch: mask token {mask} is outside {name}'s {n_vocab} tokens")
-    return mask
 
 
 def _d2t_ids(t: PlannedTensor, n_vocab: int) -> np.ndarray:
@@ -204,7 +169,10 @@ def convert_drafter(
     src_dir = resolve_source(str(source), revision)
     ckpt: Checkpoint = open_checkpoint(src_dir)
     c = ckpt.config
-    mask = check_against_target(c, tgt, warn)
+    try:
+        mask = check_checkpoint_pair(c, tgt, warn)
+    except PairError as e:
+        raise ConvertError(str(e)) from None
     try:
         tok_kv = tokenizer_kv(target, mask)
     except ValueError as e:

@@ -14,7 +14,7 @@ from . import chat_output, reasoning, tool_calls
 from .api_errors import APIError
 from .engine import ContextOverflowError, Engine, Finished
 from .grammar import grammar_of
-from .sampling import ParamError, SamplingParams
+from .sampling import MAX_TEMPERATURE, ParamError, SamplingParams
 
 # Request fields this server cannot honour, with the values it can (a field absent or null is always fine). A request
 # setting one otherwise is a 400 naming the field: a client asking for them would otherwise get something it did not
@@ -49,7 +49,7 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # above OpenAI's 2, as llama-server (sampling.py)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0, le=1)

@@ -88,6 +88,17 @@ def _n_predict(text: str) -> int:
     return n
 
 
+def _temperature(text: str) -> float:
+    from .sampling import check_temperature
+
+    try:
+        t = float(text)
+        check_temperature(t)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return t
+
+
 def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-file", dest="chat_template", type=_template_file, metavar="FILE",
                    help="Jinja chat template to use instead of the GGUF's")
@@ -423,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--system", help="system message (with --chat)")
     _chat_args(g)
     g.add_argument("-n", "--max-tokens", type=int, default=256)
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    g.add_argument("--temp", type=_temperature, default=0.0, help="temperature (0 = greedy, the default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)

@@ -162,12 +162,8 @@ class Engine:
             sh = self.drafter.model.shape
             self.spec = self.spec or DraftSpec(sh.target_layers, sh.block_size, sh.mask_token, sh.anchor_first)
 
-        trained = self.spec.block_size if self.spec else 1
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be at least 1, got {block_size}")
-        self.block_size = min(block_size or trained, trained)
-        # the longest draft: a block's mask slots, and its anchor slot too for anchor-first DSpark drafters
-        self.max_draft = self.block_size - 1 + (1 if self.spec and self.spec.anchor_first else 0)
+        self.block_size = self._block_size(block_size)  # every generation's, unless generate() is given another
+        self.max_draft = self._longest_draft(self.block_size)
         if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
             raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
 
@@ -210,6 +206,20 @@ class Engine:
     @property
     def has_drafter(self) -> bool:
         return self.drafter is not None
+
+    def _block_size(self, block_size: int | None) -> int:
+        """A block size as drafting uses it: at least 1 (else ValueError), at most the drafter's trained size (1
+        without a drafter), which None stands for."""
+        trained = self.spec.block_size if self.spec else 1
+        if block_size is None:
+            return trained
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block size must be an integer of at least 1, got {block_size!r}")
+        return min(block_size, trained)
+
+    def _longest_draft(self, block_size: int) -> int:
+        """The longest draft the drafter makes in a block of block_size (its spec's rule); 0 without a drafter."""
+        return self.spec.longest_draft(block_size) if self.spec else 0
 
     @property
     def spec_types(self) -> list[str]:
@@ -353,6 +363,7 @@ class Engine:
         external_drafter: Drafter | Callable[[list[int], int], list[int]] | None = None,
         preserved_tokens: list[str] | tuple[str, ...] = (),
         spec_sampling: str | None = None,
+        block_size: int | None = None,
     ) -> Iterator[Event]:
         """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline; ngram=False
         leaves out the engine's n-gram drafts (the drafter alone drafts).
@@ -371,9 +382,14 @@ class Engine:
         equal the draft token: output identical to plain decoding with the same seed) or 'rejection' (speculative
         sampling against the llama.cpp drafter's distribution: the target's distribution, not its seeded tokens,
         and more accepted drafts at temperatures > 0). Greedy decoding is the same under both.
+
+        block_size (default: the engine's) bounds this generation's drafter drafts as the engine's block size does:
+        at least 1, and above the drafter's trained size it is the trained size. The n-gram drafts keep their own
+        bound.
         """
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        max_draft = self.max_draft if block_size is None else self._longest_draft(self._block_size(block_size))
         if isinstance(stop, str):
             stop = [stop]
         if not all(isinstance(s, str) for s in stop):
@@ -413,18 +429,19 @@ class Engine:
             # rejection sampling verifies the drafter's own distribution, which an n-gram draft does not have
             ngram_drafter = NgramDrafter(self.ngram) if self.ngram and draft and ngram and not rejection else None
             yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter,
-                                      ngram_drafter, frozenset(shown), rejection)
+                                      max_draft, ngram_drafter, frozenset(shown), rejection)
         finally:
             self._lock.release()
 
-    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None,
+    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None, max_draft: int,
                   ngram: NgramDrafter | None, shown: frozenset[int], rejection: bool) -> Iterator[Event]:
-        """Prefill what the cache lacks of the prompt, then step (draft, verify, emit) until the output ends."""
+        """Prefill what the cache lacks of the prompt, then step (draft at most max_draft tokens from the drafter,
+        verify, emit) until the output ends."""
         s = self.session
-        policy = self._policy_for("drafter", self.max_draft if drafter else 0)
+        policy = self._policy_for("drafter", max_draft if drafter else 0)
         ngram_policy = self._policy_for("ngram", ngram.m) if ngram else None
         # acceptance by block position: the drafter's block, or without one the n-gram lookup's first 7 drafts
-        tracker = StatsTracker(max(self.max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
+        tracker = StatsTracker(max(max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
         n_cached = self._reuse_cache(ids, drafter)

@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from . import _native
 
 
+# The highest temperature the engine, the CLI's --temp, the server's `temperature` and the TUI's setting accept.
+# OpenAI documents 0..2 and its clients keep to it, so a higher limit refuses them nothing; llama.cpp takes any value
+# (llama-cli's --temp, llama-server's temperature), and its users do go above 2, with min-p say, which filters before
+# the temperature flattens what is left (the order here too). 100 only stops nonsense: that far up the draw is near
+# uniform over the tokens the filters keep, and a higher value would change little.
+MAX_TEMPERATURE = 100.0
+
+
 class ParamError(ValueError):
     """A sampling parameter the engine refuses; `param` names it (the request field, for the server's 400)."""
 
@@ -41,8 +49,7 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            raise ParamError("temperature", f"temperature must be between 0 and 100, got {self.temperature!r}")
+        check_temperature(self.temperature)
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             raise ParamError("top_k", f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -89,6 +96,11 @@ class SamplingParams:
             float(self.frequency_penalty), float(self.presence_penalty), prompt, self.grammar or "",
             -1 if n_logprobs is None else n_logprobs,
         )
+
+
+def check_temperature(t) -> None:
+    if not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
+        raise ParamError("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {t!r}")
 
 
 def parse_logit_bias(bias) -> dict[int, float] | None:

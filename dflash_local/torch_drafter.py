@@ -41,6 +41,7 @@ with needs_extra("torch", "--draft-backend torch"):
 
 from .drafter import Drafter
 from .gguf_file import read_gguf
+from .validate import check_checkpoint_pair
 
 
 @dataclass
@@ -308,13 +309,12 @@ def load_gguf_drafter(path) -> DFlashDrafter:
 def load_zlab_drafter(path, target_info) -> DFlashDrafter:
     """A z-lab checkpoint folder (safetensors, any dtype), checked against the target GGUF's metadata."""
     from dflash_local.convert.gguf_out import noise_embedding_scale
-    from dflash_local.convert.hf_to_gguf import check_against_target
     from dflash_local.convert.safetensors_file import read_tensor
     from dflash_local.convert.zlab_checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
     c = ck.config
-    mask = check_against_target(c, target_info, warn=lambda msg: print(f"dflash-local: {msg}", file=sys.stderr))
+    mask = check_checkpoint_pair(c, target_info, warn=lambda msg: print(f"dflash-local: {msg}", file=sys.stderr))
     if mask is None:
         raise ValueError(f"{path}: no mask token in dflash_config or in the target's tokenizer")
     shape = DraftShape(

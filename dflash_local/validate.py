@@ -22,9 +22,16 @@ class DraftSpec:
     mask_token: int
     anchor_first: bool = False  # DSpark: the block's first slot drafts too, so a block drafts block_size tokens
 
+    def longest_draft(self, block_size: int) -> int:
+        """The longest draft of a block of block_size slots: its mask slots, and its anchor slot too when the
+        drafter is anchor-first (DSpark). The one copy of this rule on the Python side (native/dflash.cpp keeps its
+        own to bound the drafts it is asked for)."""
+        return block_size if self.anchor_first else block_size - 1
+
     @property
     def max_draft(self) -> int:
-        return self.block_size if self.anchor_first else self.block_size - 1
+        """The longest draft of a trained-size block."""
+        return self.longest_draft(self.block_size)
 
 
 def drafter_variant(draft: GGUFInfo) -> str:
@@ -103,6 +110,45 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> DraftSpec:
         _check_dflash2(draft, target.n_vocab)
     anchor_first = variant == "DSpark" and _check_dspark(draft, target.n_vocab)
     return DraftSpec(layers, block_size, int(mask), anchor_first)
+
+
+def check_checkpoint_pair(c, target: GGUFInfo, warn) -> int | None:
+    """Check that a z-lab checkpoint was made for `target`, before anything is converted or loaded; return its mask
+    token id (the checkpoint's, else the target's; None if neither names one). `c` is the checkpoint's config
+    (dflash_local.convert.zlab_checkpoint.DrafterConfig): its hidden, target_layer_ids, num_target_layers,
+    vocab_size and mask_token_id are read. The converter checks with it, and so does the PyTorch drafter, which runs
+    a checkpoint folder unconverted: it lives with the pair checks so that the engine never imports the converter."""
+    name = target.path.name
+    if not target.arch:
+        raise PairError(f"{name}: no general.architecture: not a model GGUF")
+    if target.arch == "dflash":
+        raise PairError(f"{name} is a DFlash drafter; --target must be the target model the drafter serves")
+    n_vocab, n_embd, n_layer = target.n_vocab, target.get("embedding_length"), target.n_layer
+    if not n_vocab or not n_embd or not n_layer:
+        raise PairError(f"{name}: missing tokenizer, embedding_length or block_count metadata")
+    if c.hidden != n_embd:
+        raise PairError(
+            f"drafter/target mismatch: the drafter's hidden size is {c.hidden}, {name} has {n_embd} "
+            f"(the drafter was made for another model)"
+        )
+    bad = [i for i in c.target_layer_ids if not 0 <= i <= n_layer - 2]
+    if bad:
+        raise PairError(
+            f"drafter/target mismatch: target_layer_ids {bad} do not exist in {name}, whose {n_layer} layers give "
+            f"features 0..{n_layer - 2} (the drafter was made for a deeper model)"
+        )
+    if c.num_target_layers and c.num_target_layers != n_layer:
+        warn(f"the drafter was trained on a {c.num_target_layers}-layer target, {name} has {n_layer} layers")
+    if c.vocab_size and c.vocab_size != n_vocab:
+        raise PairError(
+            f"drafter/target mismatch: the drafter's vocabulary has {c.vocab_size} tokens, {name} has {n_vocab}"
+        )
+    mask = c.mask_token_id
+    if mask is None:
+        mask = target.kv.get("tokenizer.ggml.mask_token_id")
+    if mask is not None and not 0 <= int(mask) < n_vocab:
+        raise PairError(f"drafter/target mismatch: mask token {mask} is outside {name}'s {n_vocab} tokens")
+    return mask
 
 
 def _check_dflash2(draft: GGUFInfo, n_vocab: int) -> None:

@@ -1590,7 +1590,10 @@ private:
     bool dspark = false;
     bool dspark_conf = false;
     bool anchor_first = false;
-    int max_draft = 0;  // the longest draft of one block: block_size - 1, or block_size when anchor-first
+    // the longest draft of one block: block_size - 1, or block_size when anchor-first. The same rule as the
+    // engine's (validate.py, DraftSpec.longest_draft), kept here because draft() must bound the n_draft it is given
+    // by the block this drafter decodes, whatever its caller asks, and the default n_rs_seq needs it
+    int max_draft = 0;
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
     std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft

@@ -1,6 +1,10 @@
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+from dflash_local import Engine
 
 
 def run_bench(args, cwd):
@@ -83,3 +87,20 @@ def test_a_peer_that_fails_says_why():
     assert run_peer(echo, {"a": 1}) == ({"got": {"a": 1}}, None)
     assert run_peer([sys.executable, "-c", "import time; time.sleep(5)"], {}, timeout=0.5) == (
         None, "timed out after 0.5 s")
+
+
+
+def test_sampling_speed_script_runs_on_the_tiny_target(tiny_target, tmp_path, monkeypatch):
+    path = Path(__file__).parents[1] / "bench" / "sampling_speed.py"
+    spec = importlib.util.spec_from_file_location("sampling_speed", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    engines = []
+    monkeypatch.setattr(script, "Engine", lambda *a, **kw: engines.append(Engine(*a, **kw)) or engines[-1])
+    out = tmp_path / "speed.json"
+    assert script.main(["-m", str(tiny_target), "-n", "4", "--prompts", "2", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report) == list(script.SETTINGS)
+    assert all(r["tokens_per_second"] > 0 and r["sampler_ms_per_row"] > 0 for r in report.values())
+    # it drove the session by hand last, past the engine's prompt cache, which therefore claims none of it
+    assert engines[0].cache.tokens == []

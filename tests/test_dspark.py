@@ -123,10 +123,12 @@ def test_layout_pair_check_and_inspect(converted, tiny_target):
     info = read_gguf(converted("deepspec", "q8_0"))
     spec = check_pair(read_gguf(tiny_target), info)
     assert spec.anchor_first and spec.max_draft == BLOCK and spec.layers == [1, 2, 3]
+    assert spec.longest_draft(3) == 3  # anchor-first: every slot of a block drafts
     t = info.tensors
     assert t["markov_w1.weight"].shape == (32, info.n_vocab) and t["markov_w2.weight"].type == "Q8_0"
     assert t["conf_proj.weight"].shape == (64 + 32, 1) and t["conf_proj.bias"].type == "F32"
-    assert check_pair(read_gguf(tiny_target), read_gguf(converted("speculators", "f32"))).max_draft == BLOCK - 1
+    bonus = check_pair(read_gguf(tiny_target), read_gguf(converted("speculators", "f32")))
+    assert bonus.max_draft == BLOCK - 1 and bonus.longest_draft(3) == 2  # a bonus anchor slot drafts nothing
     path = converted("deepspec", "q8_0")
     run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(path)], capture_output=True, text=True,
                          check=True)
@@ -293,6 +295,20 @@ def test_tiny_engine_is_lossless(converted, ckpt, tiny_target, schema):
         if backend == "ggml":
             with pytest.raises(ValueError, match="DSpark drafter chains its Markov head"):
                 e.complete("x", max_tokens=4, temperature=0.8, seed=1, spec_sampling="rejection")
+
+
+@pytest.mark.parametrize("schema", ["deepspec", "speculators"])
+def test_block_size_bounds_the_drafts_by_the_drafters_rule(converted, tiny_target, schema):
+    """The engine's block size and a generation's own (generate(block_size=)) give the longest draft by the
+    drafter's rule: every slot of an anchor-first block drafts, a bonus anchor slot does not."""
+    e = Engine(tiny_target, converted(schema, "f32"), n_ctx=512, n_threads=1, block_size=4, draft_policy="fixed")
+    extra = 1 if anchor_first(schema) else 0
+    assert e.max_draft == 3 + extra
+    p = make_prompts(1, seed=8)[0]
+    base = e.complete(p, max_tokens=24, draft=False)
+    events = list(e.generate(p, max_tokens=24, block_size=2))
+    assert events[-1].token_ids == base.token_ids
+    assert max(s.n_drafted for s in events if isinstance(s, StepStats)) == 1 + extra
 
 
 @pytest.fixture(scope="module")

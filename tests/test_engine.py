@@ -46,6 +46,25 @@ def test_every_acceptance_length_and_full_blocks(tiny_engine):
     assert rates[0] > rates[-1]  # an error at position k rejects everything after it
 
 
+def test_a_generation_block_size_bounds_its_drafts(tiny_engine):
+    """generate(block_size=B) drafts at most B - 1 tokens a step for that generation only (the TUI's block size
+    setting); above the drafter's trained size it is the trained size, and the engine's own block stays."""
+    prompt = "def total(values):\n"
+    base = tiny_engine.complete(prompt, max_tokens=40, draft=False)
+    for block, longest in ((3, 2), (1, 0), (100, tiny_engine.max_draft)):
+        events = list(tiny_engine.generate(prompt, max_tokens=40, block_size=block))
+        done = events[-1]
+        assert done.token_ids == base.token_ids
+        # the fixed policy drafts full blocks where max_tokens leaves room
+        assert max(e.n_drafted for e in events if isinstance(e, StepStats)) == longest, block
+        assert len(done.summary.drafted_at) == max(longest, 1)
+    assert tiny_engine.block_size == 8 and tiny_engine.max_draft == 7
+    assert max(s.n_drafted for s in tiny_engine.generate(prompt, max_tokens=40) if isinstance(s, StepStats)) == 7
+    for bad in (0, -2, 2.5, "4", True):
+        with pytest.raises(ValueError, match="block size"):
+            tiny_engine.complete(prompt, max_tokens=4, block_size=bad)
+
+
 def test_rollback_stays_correct_over_many_steps(tiny_engine):
     prompt = "def total(values):\n"
     base = tiny_engine.complete(prompt, max_tokens=400, draft=False)

@@ -123,3 +123,32 @@ def test_bad_rows_are_errors_or_draws_never_crashes():
     s = _native.Sampling(1.0, 5, 0.9, 0.1, 3)
     for row in ([np.nan, 1.0, 2.0], [1.0, np.nan, 3.0], [-np.inf, -np.inf], [np.inf, 0.0], [0.0, -np.inf, 1.0]):
         assert 0 <= _native.sample(np.array(row, np.float32), s, 0) < len(row)
+
+
+def test_one_temperature_limit_for_the_engine_cli_server_and_tui(tmp_path, capsys):
+    """sampling.MAX_TEMPERATURE bounds every frontend alike, above OpenAI's 2 (as llama.cpp)."""
+    from pydantic import ValidationError
+
+    from dflash_local.api_models import GenerationRequest
+    from dflash_local.cli import main
+    from dflash_local.sampling import MAX_TEMPERATURE, ParamError, SamplingParams
+    from dflash_local.tui.settings import Settings, parse
+
+    over = MAX_TEMPERATURE + 1
+    for t in (2.5, MAX_TEMPERATURE):
+        assert SamplingParams(t).temperature == t
+        assert GenerationRequest(temperature=t).temperature == t
+        fields = {"temperature": str(t), "top_p": "1", "max_tokens": "8", "block_size": "1", "system_prompt": ""}
+        assert parse(fields, Settings(), 1).temperature == t
+    with pytest.raises(ParamError, match=f"between 0 and {MAX_TEMPERATURE:g}") as e:
+        SamplingParams(over)
+    assert e.value.param == "temperature"
+    with pytest.raises(ValidationError) as e:
+        GenerationRequest(temperature=over)
+    assert e.value.errors()[0]["loc"] == ("temperature",)
+    with pytest.raises(ValueError, match=f"temperature: between 0 and {MAX_TEMPERATURE:g}"):
+        parse(fields | {"temperature": str(over)}, Settings(), 1)
+    # the CLI refuses it as it reads its arguments, before it looks for the model
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "-m", str(tmp_path / "absent.gguf"), "-p", "x", "--temp", str(over)])
+    assert e.value.code == 2 and f"temperature must be between 0 and {MAX_TEMPERATURE:g}" in capsys.readouterr().err

@@ -298,6 +298,7 @@ def test_sse_framing(server):
     "body,status,param",
     [
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 101}, 400, "temperature"),
         ({"messages": "hi"}, 400, "messages"),
         ({}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),

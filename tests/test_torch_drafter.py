@@ -129,3 +129,38 @@ def test_torch_from_safetensors_matches_ggml_from_the_converted_gguf(tmp_path, t
         assert e.complete(p, max_tokens=20).token_ids == e.complete(p, max_tokens=20, draft=False).token_ids
     with pytest.raises(ValueError, match="checkpoint folder"):
         Engine(tiny_target, ckpt)
+
+
+CHECK_WITHOUT_THE_CONVERTER = """
+import sys
+from dflash_local import Engine
+from dflash_local.validate import PairError
+target, ok, wide = sys.argv[1:]
+Engine(target, ok, n_ctx=256, draft_backend="torch")
+try:
+    Engine(target, wide, n_ctx=256, draft_backend="torch")
+except PairError as e:
+    print("refused:", e)
+print("converter imported:", "dflash_local.convert.hf_to_gguf" in sys.modules)
+"""
+
+
+def test_a_checkpoint_folder_is_checked_against_its_target_without_the_converter(tmp_path, tiny_target):
+    """The torch drafter checks a z-lab checkpoint folder against its target with the check the converter uses too
+    (validate.py): running one imports no converter."""
+    from zlab import write_checkpoint, zlab_config
+
+    from dflash_local.gguf_file import read_gguf
+
+    info = read_gguf(tiny_target)
+    folders = []
+    for name, hidden in (("ok", 64), ("wide", 96)):
+        cfg = zlab_config(hidden=hidden, n_layer=1, n_head=4, n_kv=2, head_dim=32, n_ff=96, target_layer_ids=[0, 2],
+                          num_target_layers=4, vocab_size=info.n_vocab,
+                          mask_token_id=info.kv["tokenizer.ggml.mask_token_id"], block_size=8)
+        folders.append(str(write_checkpoint(tmp_path / name, cfg, n_shards=1, dtype="F32")))
+    r = subprocess.run([sys.executable, "-c", CHECK_WITHOUT_THE_CONVERTER, str(tiny_target), *folders],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused: drafter/target mismatch: the drafter's hidden size is 96" in r.stdout
+    assert "converter imported: False" in r.stdout

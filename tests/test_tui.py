@@ -25,8 +25,8 @@ PROMPT = "def sum(x):"
 
 @pytest.fixture()
 def engine(tiny_target, tiny_drafter):
-    # a fresh engine per test: the settings test changes its block size, and an answer still finishing when one
-    # test's app closes must not find the next test's engine busy
+    # a fresh engine per test: an answer still finishing when one test's app closes must not find the next test's
+    # engine busy
     return Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
 
 
@@ -38,14 +38,6 @@ class Paced:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-    @property
-    def block_size(self):
-        return self.engine.block_size
-
-    @block_size.setter
-    def block_size(self, value):  # the app sets it before each answer
-        self.engine.block_size = value
 
     def generate(self, **kw):
         self.calls.append(kw)
@@ -278,18 +270,19 @@ def test_settings_apply_to_the_next_answer(engine):
             await ask(pilot, app)
             kw = paced.calls[-1]
             assert kw["messages"][0] == {"role": "system", "content": "Answer in Python."}
-            assert kw["top_p"] == 0.9 and kw["max_tokens"] == 7
-            assert engine.block_size == 3
-            assert app.live.summary.n_generated == 7
-            assert len(app.live.acceptance) == 2  # block 3: two draft positions
+            assert kw["top_p"] == 0.9 and kw["max_tokens"] == 7 and kw["block_size"] == 3
+            s = app.live.summary
+            assert s.n_generated == 7
+            # block 3: the engine drafted at most two tokens a step (full blocks, with the fixed policy), and
+            # counted two draft positions
+            assert max(step.n_drafted for step in app.live.tracker.steps) == 2
+            assert len(s.drafted_at) == len(app.live.acceptance) == 2
+            assert engine.block_size == 8  # the engine's own default is left as it was
 
             await pilot.press("ctrl+o", "end", *"5", "escape")  # escape: nothing changes
             assert app.settings.temperature == 0.0
 
-    try:
-        run(main())
-    finally:
-        engine.block_size = 8
+    run(main())
 
 
 class Scripted:

@@ -187,20 +187,20 @@ class ChatApp(App):
         prompt.value = ""
         self.messages.append({"role": "user", "content": text})
         drafting = self.draft_next and self.spec is not None
-        if self.engine.has_drafter:
-            self.engine.block_size = self.settings.block_size  # read by the engine when a generation starts
         chat = self.query_one("#chat", VerticalScroll)
         self.answer = Message("assistant", self.spec if drafting else "plain")
         chat.mount(Message("user", "You", text))
         chat.mount(self.answer)
         chat.scroll_end(animate=False)
-        self.live.start(drafting, self.engine.block_size)
+        self.live.start(drafting, self.settings.block_size)
         self.refresh_panels()
         self.busy = True
         self.stop_requested.clear()
         system = self.settings.system_prompt.strip()
         messages = ([{"role": "system", "content": system}] if system else []) + list(self.messages)
-        kwargs = dict(messages=messages, draft=drafting, **self.settings.sampling())
+        # the block size bounds this answer's drafts (an argument of the generation: the engine keeps its own)
+        kwargs = dict(messages=messages, draft=drafting, block_size=self.settings.block_size,
+                      **self.settings.sampling())
         try:
             syntax = syntax_for(self.engine.chat_template, self.engine.chat_prompt(messages), "auto", None, None)
             kwargs["preserved_tokens"] = syntax.preserved

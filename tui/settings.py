@@ -11,6 +11,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Input, Label, Static
 
+from dflash_local.sampling import MAX_TEMPERATURE
+
 
 @dataclass
 class Settings:
@@ -47,7 +49,8 @@ def parse(values: dict[str, str], base: Settings, max_block: int) -> Settings:
 
     return replace(
         base,
-        temperature=number("temperature", float, lambda v: 0 <= v <= 10, "between 0 and 10"),
+        temperature=number("temperature", float, lambda v: 0 <= v <= MAX_TEMPERATURE,
+                           f"between 0 and {MAX_TEMPERATURE:g}"),
         top_p=number("top_p", float, lambda v: 0 < v <= 1, "above 0, at most 1"),
         max_tokens=number("max_tokens", int, lambda v: v >= 1, "at least 1"),
         block_size=number("block_size", int, lambda v: 1 <= v <= max_block, f"from 1 to {max_block}"),
