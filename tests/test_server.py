@@ -154,7 +154,8 @@ def test_props(server, tiny_target):
     assert p["eos_token"] == "<|endoftext|>" and p["modalities"]["vision"] is False
     assert "llama-cpp-python 0.3.36" in p["build_info"]
     assert p["speculative"] == {"drafter": "tiny-drafter.gguf", "draft_backend": "ggml", "block_size": 8,
-                                "draft_policy": "fixed", "bit_exact_verify": server.engine.bit_exact, "ngram": None}
+                                "draft_policy": "fixed", "bit_exact_verify": server.engine.bit_exact, "ngram": None,
+                                "drafter_error": None}
     assert str(tiny_target.parent) not in r.text
     assert httpx.get(server.url + "/props").status_code == 401
 
@@ -575,7 +576,8 @@ def test_schemathesis_finds_no_server_errors(tiny_target, tiny_drafter):
     try:
         s.wait_healthy()
         r = subprocess.run(
-            [shutil.which("schemathesis") or "schemathesis", "run", s.url + "/openapi.json", "--checks",
+            # the venv's own, found also when its bin/ is not on PATH
+            [shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or "schemathesis", "run", s.url + "/openapi.json", "--checks",
              "not_a_server_error", "--max-examples", "10", "--header", f"Authorization: Bearer {KEY}",
              "--workers", "1", "--request-timeout", "120", "--suppress-health-check", "all", "--seed", "1"],
             capture_output=True, text=True, timeout=900,
@@ -656,7 +658,7 @@ def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_d
         end = time.time() + 120
         while time.time() < end and proc.poll() is None:
             try:
-                health = httpx.get(url + "/health")
+                health = httpx.get(url + "/health", timeout=30)
                 if health.status_code == 200:
                     break
             except httpx.ConnectError:
@@ -664,9 +666,10 @@ def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_d
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read()
         assert "broken-drafter.gguf" in health.json()["drafter_error"]
-        spec = httpx.get(url + "/props").json()["speculative"]
+        spec = httpx.get(url + "/props", timeout=30).json()["speculative"]
         assert spec["drafter"] is None and "broken-drafter.gguf" in spec["drafter_error"]
-        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 12, "temperature": 0})
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 12, "temperature": 0},
+                       timeout=120)
         assert r.status_code == 200
         plain = Engine(tiny_target, n_ctx=1024).complete("Hello world", max_tokens=12)
         assert r.json()["choices"][0]["text"] == plain.text
