@@ -1,9 +1,9 @@
 """Mean acceptance length of drafters with full blocks on a prompt set, all in one process.
 
 Each drafter drafts a full block at every step (the bench's "fixed blocks" row), greedy, over every prompt; tau is
-(accepted drafts + steps) / steps, the figure the issue's bar and the README tables quote, and the draft's wall-clock
-milliseconds per step come with it. One process and the same prompts for every drafter, so drafters compare fairly.
-README, "Training a drafter".
+(accepted drafts + steps) / steps, the figure the issue's bar and the tables in docs/measurements.md quote, and the
+draft's wall-clock milliseconds per step come with it. One process and the same prompts for every drafter, so
+drafters compare fairly. docs/measurements.md, "Drafter training experiments".
 
     python bench/acceptance.py DRAFTER.gguf [DRAFTER.gguf ...] [-m TARGET] [--prompts bench/prompts.jsonl] [-n 64]
 """

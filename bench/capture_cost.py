@@ -10,7 +10,7 @@ The target's features must be captured at every token for the drafts to come, ev
    injection) per step of the adaptive runs.
 
 Times are the calling thread's CPU time: on one thread llama.cpp computes on the calling thread, so they hold on a
-machine shared with other jobs, where wall-clock times do not. README, "Deferred injection".
+machine shared with other jobs, where wall-clock times do not. docs/measurements.md, "The draft-length policy".
 
     python bench/capture_cost.py [-m TARGET -d DRAFTER] [--prompts bench/code-heldout.jsonl] [-n 256]
 """

@@ -8,13 +8,13 @@
 # Stage 1 is `dflash-local train`'s own data stage (traindata.make_data, with the arguments train passes it; train
 # checks that in OUT/data/meta.json before it uses the data), run in a process without torch and with the native
 # module loaded before numpy: on the GPU image this was run on (CUDA 13, PyTorch 2.11), a CUDA model loaded in a
-# process that had imported numpy or torch first crashed (README, "On a GPU"). For the same reason the training
+# process that had imported numpy or torch first crashed (docs/gpu.md). For the same reason the training
 # stage runs without held-out validation (--eval-every 0), which would load the target in the torch process.
 set -euo pipefail
 out=$1 target=$2 corpus=$3
 DATA_S=${DATA_S:-420} TRAIN_S=${TRAIN_S:-390} NP=${NP:-128} DEVICE=${DEVICE:-cuda} NGL=${NGL:-99}
 THREADS=${THREADS:-$(nproc)} BATCH=${BATCH:-16} ANCHORS=${ANCHORS:-64}
-VARIANT=${VARIANT:-dflash} SOFT=${SOFT:-0}  # the shipped drafter's; the next run: VARIANT=dflash2 (README)
+VARIANT=${VARIANT:-dflash} SOFT=${SOFT:-0}  # the shipped drafter's; the next run: VARIANT=dflash2 (docs/gpu.md)
 layers=2,9,16 max_new=192
 
 # 1. data: as many continuations as DATA_S seconds make (samples are written whole, so a stopped data stage keeps

@@ -181,7 +181,7 @@ class Engine:
             self.drafter = NativeDrafter(self.session)
 
         # Greedy verification reproduces plain decoding bit for bit only when every kernel rounds a verify batch row
-        # exactly as it rounds a single token (see README, "Lossless")
+        # exactly as it rounds a single token (see docs/lossless.md)
         self.bit_exact = (
             placement.fa == "off"
             and not placement.repack

@@ -1,7 +1,7 @@
 """How many tokens to draft at each step.
 
 A DFlash block costs a drafter pass plus a target verify of n + 1 tokens, and on CPUs the verify grows almost
-linearly with n (README, "Measured"), so drafting a full block when drafts are rarely accepted is slower than plain
+linearly with n (docs/measurements.md), so drafting a full block when drafts are rarely accepted is slower than plain
 decoding. The adaptive policy picks the n that maximises expected tokens per millisecond:
 
     E(n) = 1 + sum_{j=1..n} a_1 a_2 ... a_j          (a_k: chance draft k is accepted once 1..k-1 were)
@@ -21,7 +21,8 @@ did not pay (up to `max_probe_every`). On CPUs a verified token costs nearly a p
 cheap: one drafts only as far as drafts are likely to reach (while the chance that every draft before is accepted
 stays above PROBE_REACH), a probe whose drafts were all accepted is followed by one twice as long, and a new
 generation halves the wait rather than starting the back-off again (a server's prompts tend to be alike, and on
-held-out prompts the restarted back-off's probes cost 5% of plain speed, README "Deferred injection").
+held-out prompts the restarted back-off's probes cost 5% of plain speed: docs/measurements.md, "The draft-length
+policy").
 
 Some drafters rate their own drafts: a DSpark confidence head estimates, for each drafted token, the chance it is
 accepted; DFlash2's selector gives the probability of its path at each position. With such a rating the drafted

@@ -30,7 +30,7 @@ from .runner import Job, QueueFullError, Runner
 from .tool_calls import ToolChoiceError
 
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
-# does not run on to the end of the context (README, "Server")
+# does not run on to the end of the context (docs/server.md)
 N_PREDICT = 2048
 
 

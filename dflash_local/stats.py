@@ -15,7 +15,7 @@ class StepStats:
     verify_ms: float  # target compute (the verify batch)
     other_ms: float  # everything else: sampling, bookkeeping, Python
     rollback_ms: float = 0.0  # dropping rejected drafts from the target: KV cut, or recurrent checkpoint + replay
-    rollback: str = ""  # how: "" (nothing rejected), "kv", "snapshot" or "checkpoint" (README, "Hybrid and recurrent targets")
+    rollback: str = ""  # how: "" (nothing rejected), "kv", "snapshot" or "checkpoint" (docs/hybrid.md)
     ngram: bool = False  # the draft was an n-gram lookup's (ngram.py), not the drafter's
 
     @property

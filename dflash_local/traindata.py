@@ -3,11 +3,11 @@ of the selected layers at every position (the native feature export, as the engi
 
 Several prompts are decoded side by side, one sequence each in a shared cache, and every target batch holds one row
 per running sequence (plus the prompts of those just started): a batch of 16 rows costs a few single decodes, so the
-data stage makes several times more tokens per hour than decoding one prompt at a time (README, "Training").
+data stage makes several times more tokens per hour than decoding one prompt at a time (docs/training.md).
 A finished sequence's slot takes the next prompt at once (continuous batching). With max_new = 0 the target only
 reads the texts (passages), teacher-forced, a few per batch: longer contexts of real code and prose, and the
 target's own next token after each position still gives exact labels wherever the text so far agrees with it
-(train.py). On this CPU that is only 1.4x the tokens per CPU-second of continuations (README, "Measured").
+(train.py). On this CPU that is only 1.4x the tokens per CPU-second of continuations (docs/measurements.md).
 
 One sample per file, `DIR/sample-NNNNNN.npz`: `prompt` (its text), `tokens` (prompt + continuation, int32),
 `n_prompt`, `features` [len(tokens) - 1, n_layers * n_embd] as bfloat16 bits (uint16: gemma's hidden states exceed

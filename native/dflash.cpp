@@ -1627,7 +1627,7 @@ private:
     std::vector<std::pair<float, llama_token>> cand;
 
     // LM head on demand. On a CPU a verify row's LM head costs as much as the rest of the row for a big vocabulary
-    // and small model (gemma-3-270m: 262,144 x 640, README "Measured"), and the rows after the first rejected draft
+    // and small model (gemma-3-270m: 262,144 x 640, docs/measurements.md), and the rows after the first rejected draft
     // are never read. So a verify batch stops after the final norm ("result_norm", the eval callback returns false
     // there) and target_row() multiplies a row by the target's own output matrix, with the same ggml CPU kernel as
     // its graph, when the accept loop first reads it. Batch-invariant CPU matmuls give each row the bits llama.cpp
@@ -1663,7 +1663,7 @@ private:
         }
         if (i >= head_done) {
             // rows are read in order: first the head_first rows the step's caller expects to read, then as many
-            // more as have been read (doubling): a call costs a few ms beyond its rows (README "Measured"), so a
+            // more as have been read (doubling): a call costs a few ms beyond its rows (docs/measurements.md), so a
             // batch whose drafts are accepted pays a few calls, and one rejected early one or two rows
             const int end = std::min(hidden_rows, std::max(i + 1, head_done ? 2 * head_done : head_first));
             compute_head(head_done, end);

@@ -14,7 +14,7 @@ VENV=${VENV:-.venv}
 . "$VENV/bin/activate"
 
 # llama.cpp is built without llamafile's sgemm: it rounds a verify batch differently from a single-token decode,
-# which would break bit-exact greedy verification on CPUs (README, "Lossless"); and with the RPC backend, for
+# which would break bit-exact greedy verification on CPUs (docs/lossless.md); and with the RPC backend, for
 # targets spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
 LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
 

@@ -1,4 +1,4 @@
-"""The out-of-the-box pair: gemma-3-270m Q4_K_M and the drafter trained for it (drafters/, README "Default pair")."""
+"""The out-of-the-box pair: gemma-3-270m Q4_K_M and its drafter (drafters/, README "The default pair")."""
 
 import json
 from pathlib import Path

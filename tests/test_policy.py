@@ -156,7 +156,7 @@ class SteadyCosts(DraftPolicy):
 
 
 def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_target):
-    # on gemma-3-270m verifying 2 tokens costs about twice one (README, "Measured"): a useless drafter must stop;
+    # on gemma-3-270m verifying 2 tokens costs about twice one (docs/measurements.md): a useless drafter must stop;
     # block 8, where a fully accepted block clearly pays (8 tokens for about 4.5 single-token times)
     drafter = init_drafter(tmp_path / "d8.gguf", gemma_target, n_target_layers=3, block_size=8, head_dim=64, n_ff=512)
     e = Engine(gemma_target, drafter, n_ctx=1024, draft_policy="auto")

@@ -132,7 +132,7 @@ def model_text(info: dict, block_size: int, n_gpu_layers: int) -> Text:
     t.append("context ", "dim").append(f"{info['n_ctx']}")
     trained = d["trained_block_size"] if d else 1
     t.append("  block ", "dim").append(f"{block_size}").append(f"/{trained}\n", "dim")
-    # whether greedy DFlash output is guaranteed token-identical to plain decoding (README, "Lossless")
+    # whether greedy DFlash output is guaranteed token-identical to plain decoding (docs/lossless.md)
     t.append("verify  ", "dim").append("bit-exact" if info["bit_exact_verify"] else "not bit-exact")
     if "placement" in info:
         t.append("\n").append(placement_text(info))
