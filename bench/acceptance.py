@@ -18,7 +18,7 @@ from tqdm import tqdm
 from dflash_local import Engine
 from dflash_local.bench import load_prompts, row_request
 from dflash_local.models import default_target
-from dflash_local.stats import pooled
+from dflash_local.engine.stats import pooled
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import time
 from dflash_local import Engine, _native
 from dflash_local.bench import DEFAULT_PROMPTS, load_prompts, own_continuation, row_request
 from dflash_local.models import default_drafter, default_target
-from dflash_local.ngram import NgramSpec
+from dflash_local.engine.ngram import NgramSpec
 
 
 def verify_costs(engine: Engine, block: int, repeats: int) -> None:

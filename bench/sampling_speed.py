@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash_local import _native
 from dflash_local.bench import DEFAULT_PROMPTS
-from dflash_local.engine import Engine
+from dflash_local.engine.engine import Engine
 from dflash_local.models import default_target
 
 SETTINGS = {

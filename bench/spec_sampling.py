@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dflash_local.bench import load_prompts
-from dflash_local.engine import Engine
+from dflash_local.engine.engine import Engine
 from dflash_local.models import default_drafter, default_target
 
 MODES = ("match", "rejection")

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_local.corpus import training_prompts
+from dflash_local.train.corpus import training_prompts
 from dflash_local.models import default_target
-from dflash_local.placement import Placement
-from dflash_local.traindata import PASSAGE_TOKENS, load_sample, make_data
+from dflash_local.engine.placement import Placement
+from dflash_local.train.data import PASSAGE_TOKENS, load_sample, make_data
 
 LAYERS = [2, 9, 16]
 
@@ -96,7 +96,7 @@ def time_passages(target, folder: Path, placement: Placement, args) -> dict:
 
 
 def time_training(target, work: Path, data: Path, args) -> dict:
-    from dflash_local.train import Trainer, TrainConfig
+    from dflash_local.train.run import Trainer, TrainConfig
 
     run = work / "run"
     shutil.copytree(data, run / "data")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import _native
-from .engine import Engine
+from .engine.engine import Engine
 from .extras import install_hint
-from .stats import pooled
+from .engine.stats import pooled
 
 NO_PLOT = f"dflash-local bench: matplotlib is not installed, so no bench.png ({install_hint('bench')})"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .extras import MissingExtraError
 from .gguf_file import GGUFError
-from .ngram import NgramSpec
-from .placement import add_placement_args, from_args
+from .engine.ngram import NgramSpec
+from .engine.placement import add_placement_args, from_args
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def _spec_types(text: str) -> list[str]:
 
 
 def _template_file(path: str) -> str:
-    from .chat import read_template
+    from .chat.templates import read_template
 
     try:
         return read_template(path)
@@ -89,7 +89,7 @@ def _n_predict(text: str) -> int:
 
 
 def _temperature(text: str) -> float:
-    from .sampling import check_temperature
+    from .engine.sampling import check_temperature
 
     try:
         t = float(text)
@@ -107,7 +107,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _budget(text: str) -> int:
-    from .reasoning import budget_kwargs
+    from .chat.reasoning import budget_kwargs
 
     try:
         budget_kwargs(int(text))
@@ -130,7 +130,7 @@ def _reasoning_args(p: argparse.ArgumentParser, server: bool) -> None:
 
 def _template_kwargs(args) -> dict:
     """The chat template variables for every prompt: -rea and --reasoning-budget, under --chat-template-kwargs."""
-    from .reasoning import budget_kwargs
+    from .chat.reasoning import budget_kwargs
 
     kwargs = budget_kwargs(getattr(args, "reasoning_budget", -1))
     if getattr(args, "reasoning", "auto") != "auto":
@@ -198,7 +198,7 @@ def _pair(args):
 
 def _load_engine(args, drafter: bool = True):
     """The engine the flags ask for; drafter=False: the same without the DFlash drafter (the n-gram lookup stays)."""
-    from .engine import Engine
+    from .engine.engine import Engine
 
     if args.rpc:
         from .rpc import add_servers
@@ -246,7 +246,7 @@ def stats_line(s) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .engine import Finished, TextDelta
+    from .engine.engine import Finished, TextDelta
 
     if (args.chat_template or args.chat_template_kwargs) and not args.chat:
         raise ValueError("--chat-template-file and --chat-template-kwargs apply to chat messages: add --chat")
@@ -308,7 +308,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import serve
+    from .server.app import serve
 
     alias = args.alias or Path(_pair(args)[0]).stem
     return serve(args, lambda: _load_engine(args), alias, lambda: _load_engine(args, drafter=False))
@@ -408,7 +408,7 @@ def cmd_rpc_server(args) -> int:
 def cmd_corpus(args) -> int:
     from collections import Counter
 
-    from .corpus import write_corpus
+    from .train.corpus import write_corpus
 
     rows = write_corpus(args.out, args.seed)
     kinds = Counter(r.kind for r in rows)
@@ -418,7 +418,7 @@ def cmd_corpus(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import run_train
+    from .train.run import run_train
 
     return run_train(args)
 
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "draft_backend", None) == "torch" and not args.no_draft:
-            from . import torch_drafter  # noqa: F401  (without torch: the error, before any model loads)
+            from .engine import torch_drafter  # noqa: F401  (without torch: the error, before any model loads)
         return args.func(args)
     except (GGUFError, MissingExtraError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"dflash-local: error: {e}", file=sys.stderr)

@@ -7,7 +7,7 @@ pieces given, to test how the server reads outputs (reasoning, tool calls) that 
 
 from dataclasses import replace
 
-from dflash_local.engine import Engine, Finished, TextDelta
+from dflash_local.engine.engine import Engine, Finished, TextDelta
 
 
 class PlantedEngine:

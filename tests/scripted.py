@@ -8,7 +8,7 @@ high before it, low from it on. Wrapping is the base of test drafters that watch
 
 import random
 
-from dflash_local.drafter import Drafter
+from dflash_local.engine.drafter import Drafter
 
 
 class ScriptedDrafter(Drafter):

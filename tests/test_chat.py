@@ -11,7 +11,7 @@ import pytest
 from fixtures import write_tiny_target
 
 from dflash_local import Engine
-from dflash_local.chat import ChatTemplateError, read_template, render
+from dflash_local.chat.templates import ChatTemplateError, read_template, render
 
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN3 = read_template(TEMPLATES / "qwen3-like.jinja")

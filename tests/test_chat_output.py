@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_local import tool_calls
-from dflash_local.chat import read_template, render
-from dflash_local.chat_output import Stream, finish, parse, syntax_for
-from dflash_local.reasoning import budget_kwargs
-from dflash_local.tool_calls import ToolChoiceError
+from dflash_local.chat import tool_calls
+from dflash_local.chat.templates import read_template, render
+from dflash_local.chat.output import Stream, finish, parse, syntax_for
+from dflash_local.chat.reasoning import budget_kwargs
+from dflash_local.chat.tool_calls import ToolChoiceError
 
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN35 = read_template(TEMPLATES / "qwen35-like.jinja")

@@ -107,7 +107,7 @@ import dflash_local
 from dflash_local.cli import main
 
 def llama_loaded():
-    modules = [m for m in ("llama_cpp", "dflash_local._native", "dflash_local.engine") if m in sys.modules]
+    modules = [m for m in ("llama_cpp", "dflash_local._native", "dflash_local.engine.engine") if m in sys.modules]
     return modules + ["libllama"] * ("libllama" in open("/proc/self/maps").read())
 
 assert main(["convert", {str(ckpt)!r}, "-m", {str(tiny_target)!r}, "-o", {str(out)!r}, "--outtype", "q8_0"]) == 0
@@ -121,4 +121,4 @@ print(json.dumps([before, llama_loaded()]))
     assert "architecture dflash, file type MOSTLY_Q8_0" in r.stdout
     before, after = json.loads(r.stdout.splitlines()[-1])
     assert before == []
-    assert after == ["dflash_local._native", "dflash_local.engine", "libllama"]
+    assert after == ["dflash_local._native", "dflash_local.engine.engine", "libllama"]

@@ -13,8 +13,8 @@ import pytest
 from test_server import KEY, TEMPLATES, ServerThread
 
 from dflash_local import Engine
-from dflash_local.chat import read_template
-from dflash_local.server import create_app
+from dflash_local.chat.templates import read_template
+from dflash_local.server.app import create_app
 
 N_PREDICT = 16  # as `serve -n 16`: llm sends no max_tokens
 

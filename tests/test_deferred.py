@@ -12,10 +12,10 @@ from conftest import make_prompts
 from fixtures import write_tiny_drafter, write_tiny_qwen35
 
 from dflash_local import Engine, _native
-from dflash_local.drafter import NativeDrafter
+from dflash_local.engine.drafter import NativeDrafter
 from dflash_local.models import default_drafter, default_target
-from dflash_local.placement import Placement
-from dflash_local.policy import DraftPolicy
+from dflash_local.engine.placement import Placement
+from dflash_local.engine.policy import DraftPolicy
 
 GREEDY = _native.Sampling()
 

@@ -163,7 +163,7 @@ def compare_lattices(g_lat, cand, scores, k):
 def run_both(target, drafter_gguf, torch_source, prompts, steps=6):
     """Draft with the native session and the torch drafter from the same target features, step after step; yield
     (native draft, native lattice, native logits, torch drafter, last token, n)."""
-    from dflash_local.torch_drafter import TorchDraftBackend
+    from dflash_local.engine.torch_drafter import TorchDraftBackend
 
     tm, dm = _native.Model(str(target)), _native.Model(str(drafter_gguf))
     session = _native.Session(tm, dm, [i + 1 for i in LAYER_IDS], 512, 2, True, False)

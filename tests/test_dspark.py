@@ -28,7 +28,7 @@ from dflash_local import Engine, Finished, StepStats, _native
 from dflash_local.convert.errors import ConvertError
 from dflash_local.convert.gguf_out import tokenizer_kv
 from dflash_local.convert.hf_to_gguf import convert_drafter
-from dflash_local.drafter import Drafter
+from dflash_local.engine.drafter import Drafter
 from dflash_local.gguf_file import read_gguf
 from dflash_local.validate import check_pair
 
@@ -175,7 +175,7 @@ def test_a_confidence_head_without_the_markov_input_is_refused(work, tiny_target
 def run_both(target, drafter_gguf, torch_source, prompts, n, steps=6):
     """Draft with the native session and the torch drafter from the same target features, step after step; yield
     (native draft, native logits, torch drafter, last token)."""
-    from dflash_local.torch_drafter import TorchDraftBackend
+    from dflash_local.engine.torch_drafter import TorchDraftBackend
 
     tm, dm = _native.Model(str(target)), _native.Model(str(drafter_gguf))
     session = _native.Session(tm, dm, [i + 1 for i in LAYER_IDS], 512, 1, True, False)

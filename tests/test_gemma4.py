@@ -24,7 +24,7 @@ from zlab import write_checkpoint, zlab_gemma4_config
 from dflash_local import Engine, _native
 from dflash_local.convert.hf_to_gguf import convert_drafter
 from dflash_local.gguf_file import read_gguf
-from dflash_local.placement import Placement, PlacementError
+from dflash_local.engine.placement import Placement, PlacementError
 
 DRAFT_WINDOW = 16  # the converted drafters' sliding window: contexts outgrow it within a generation
 
@@ -206,7 +206,7 @@ def test_f32_torch_drafts_equal_ggml(converted, ckpt, gemma4, source):
     """The PyTorch drafter (from the f32 GGUF, and from the checkpoint folder itself) against llama.cpp's dflash
     graph on the gemma4 target, step after step while the drafter's context outgrows its sliding window."""
     pytest.importorskip("torch")
-    from dflash_local.torch_drafter import TorchDraftBackend
+    from dflash_local.engine.torch_drafter import TorchDraftBackend
 
     drafter = converted("f32")
     e = Engine(gemma4, drafter, n_ctx=512)

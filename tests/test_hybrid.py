@@ -14,7 +14,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, _native
 from dflash_local.bench import run_bench
-from dflash_local.placement import Placement
+from dflash_local.engine.placement import Placement
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from fixtures import write_tiny_drafter, write_tiny_qwen35
 from test_chat import cli
 
 from dflash_local import Engine, StepStats
-from dflash_local.ngram import NgramDrafter, NgramSpec
-from dflash_local.policy import DraftPolicy
+from dflash_local.engine.ngram import NgramDrafter, NgramSpec
+from dflash_local.engine.policy import DraftPolicy
 
 LOOPING = "The lighthouse keeper climbed the narrow stairs every evening"  # gemma-3-270m repeats itself on it
 

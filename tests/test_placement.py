@@ -15,7 +15,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, _native
 from dflash_local.cli import main
-from dflash_local.placement import PlacementError, add_placement_args, from_args
+from dflash_local.engine.placement import PlacementError, add_placement_args, from_args
 from dflash_local.tui.app import ChatApp
 from dflash_local.tui.panels import ModelPanel
 

@@ -5,7 +5,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, StepStats
 from dflash_local.convert.init_drafter import init_drafter
-from dflash_local.policy import DraftPolicy
+from dflash_local.engine.policy import DraftPolicy
 
 
 def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float], n: int = 7) -> DraftPolicy:

@@ -28,7 +28,7 @@ from dflash_local.cli import main  # noqa: E402
 from dflash_local.convert.hf_to_gguf import ConvertError, convert_drafter  # noqa: E402
 from dflash_local.convert.init_drafter import init_drafter  # noqa: E402
 from dflash_local.gguf_file import read_gguf  # noqa: E402
-from dflash_local.placement import Placement  # noqa: E402
+from dflash_local.engine.placement import Placement  # noqa: E402
 
 BLOCK = 8
 

@@ -78,7 +78,7 @@ SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from scripted import ScriptedDrafter
-from dflash_local.engine import Engine
+from dflash_local.engine.engine import Engine
 from dflash_local.rpc import add_servers
 
 n_dev = add_servers(sys.argv[2])

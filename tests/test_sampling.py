@@ -129,9 +129,9 @@ def test_one_temperature_limit_for_the_engine_cli_server_and_tui(tmp_path, capsy
     """sampling.MAX_TEMPERATURE bounds every frontend alike, above OpenAI's 2 (as llama.cpp)."""
     from pydantic import ValidationError
 
-    from dflash_local.api_models import GenerationRequest
+    from dflash_local.server.schema import GenerationRequest
     from dflash_local.cli import main
-    from dflash_local.sampling import MAX_TEMPERATURE, ParamError, SamplingParams
+    from dflash_local.engine.sampling import MAX_TEMPERATURE, ParamError, SamplingParams
     from dflash_local.tui.settings import Settings, parse
 
     over = MAX_TEMPERATURE + 1

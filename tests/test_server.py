@@ -19,9 +19,9 @@ from conftest import make_prompts
 from scripted import Wrapping
 
 from dflash_local import Engine
-from dflash_local.chat import read_template, render
-from dflash_local.drafter import Drafter
-from dflash_local.server import create_app
+from dflash_local.chat.templates import read_template, render
+from dflash_local.engine.drafter import Drafter
+from dflash_local.server.app import create_app
 
 KEY = "sk-test-key"
 
@@ -622,7 +622,7 @@ def test_huge_top_k_is_a_client_error(server):
 
 
 def test_waiting_streams_get_sse_comment_keepalives(tiny_target, monkeypatch):
-    from dflash_local import api_stream
+    from dflash_local.server import stream as api_stream
 
     monkeypatch.setattr(api_stream, "KEEPALIVE_SECONDS", 0.02)
     engine = Engine(tiny_target, n_ctx=1024)

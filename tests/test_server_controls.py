@@ -10,7 +10,7 @@ import pytest
 from test_server import KEY, ServerThread
 
 from dflash_local import Engine
-from dflash_local.server import create_app
+from dflash_local.server.app import create_app
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
           "required": ["name", "age"]}

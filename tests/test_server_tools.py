@@ -15,9 +15,9 @@ from planted import PlantedEngine, cut
 from test_server import ServerThread, serve_command
 
 from dflash_local import Engine
-from dflash_local.chat import read_template, render
-from dflash_local.server import create_app
-from dflash_local.textstream import Output
+from dflash_local.chat.templates import read_template, render
+from dflash_local.server.app import create_app
+from dflash_local.chat.textstream import Output
 
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN35 = read_template(TEMPLATES / "qwen35-like.jinja")

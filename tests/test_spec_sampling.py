@@ -10,7 +10,7 @@ import pytest
 from fixtures import with_inf_in_fc
 
 from dflash_local import Engine
-from dflash_local.sampling import SamplingParams
+from dflash_local.engine.sampling import SamplingParams
 
 PROMPT = "Q: river code?\nA:"
 T = 3.0  # the random drafter's distribution overlaps the target's enough at this temperature: both paths run

@@ -1,4 +1,4 @@
-from dflash_local.textstream import TextStream
+from dflash_local.chat.textstream import TextStream
 
 
 def feed_all(stream, pieces):

@@ -11,7 +11,7 @@ from conftest import make_prompts
 torch = pytest.importorskip("torch")
 
 from dflash_local import Engine, _native  # noqa: E402
-from dflash_local.torch_drafter import pick_device  # noqa: E402
+from dflash_local.engine.torch_drafter import pick_device  # noqa: E402
 
 
 def draft_logits_both(target, drafter, prompt, n):

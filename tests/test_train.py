@@ -12,12 +12,12 @@ torch = pytest.importorskip("torch")
 from dflash_local import Engine, _native  # noqa: E402
 from dflash_local.cli import main  # noqa: E402
 from dflash_local.convert.init_drafter import init_drafter  # noqa: E402
-from dflash_local.corpus import read_corpus, training_prompts  # noqa: E402
+from dflash_local.train.corpus import read_corpus, training_prompts  # noqa: E402
 from dflash_local.gguf_file import read_gguf  # noqa: E402
-from dflash_local.sampling import SamplingParams  # noqa: E402
-from dflash_local.torch_drafter import TorchDraftBackend  # noqa: E402
-from dflash_local.train import Trainer, TrainConfig, draft_vocabulary, label_index, sequence_loss  # noqa: E402
-from dflash_local.traindata import Sample, load_sample, make_data  # noqa: E402
+from dflash_local.engine.sampling import SamplingParams  # noqa: E402
+from dflash_local.engine.torch_drafter import TorchDraftBackend  # noqa: E402
+from dflash_local.train.run import Trainer, TrainConfig, draft_vocabulary, label_index, sequence_loss  # noqa: E402
+from dflash_local.train.data import Sample, load_sample, make_data  # noqa: E402
 
 ARGS = ["--samples", "10", "--max-new", "40", "--draft-vocab", "300", "--block-size", "6", "--layers", "1",
         "--target-layers", "1,3", "--eval-every", "20", "--eval-prompts", "2", "--eval-tokens", "24",

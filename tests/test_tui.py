@@ -11,8 +11,8 @@ import pytest
 from planted import PlantedEngine, cut
 
 from dflash_local import Engine, Finished, StepStats, TextDelta
-from dflash_local.chat import read_template
-from dflash_local.stats import StatsTracker
+from dflash_local.chat.templates import read_template
+from dflash_local.engine.stats import StatsTracker
 from dflash_local.tui.app import ChatApp, Message
 from dflash_local.tui.panels import LivePanel, ModelPanel, devices, position_bars
 from dflash_local.tui.settings import Settings, SettingsScreen
@@ -220,7 +220,7 @@ def test_without_a_drafter_the_panels_say_so(tiny_target):
 
 
 def test_ngram_drafts_alone_are_a_drafting_mode(gemma_target):
-    from dflash_local.ngram import NgramSpec
+    from dflash_local.engine.ngram import NgramSpec
 
     e = Engine(gemma_target, n_ctx=1024, ngram=NgramSpec())  # --spec-type ngram-simple: no drafter
 

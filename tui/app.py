@@ -19,9 +19,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
-from dflash_local.chat_output import Stream, Syntax, syntax_for
-from dflash_local.engine import Finished, TextDelta
-from dflash_local.stats import StepStats
+from dflash_local.chat.output import Stream, Syntax, syntax_for
+from dflash_local.engine.engine import Finished, TextDelta
+from dflash_local.engine.stats import StepStats
 
 from .live import Live
 from .panels import LivePanel, ModelPanel

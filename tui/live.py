@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dflash_local.stats import StatsTracker, StepStats, Summary
+from dflash_local.engine.stats import StatsTracker, StepStats, Summary
 
 HISTORY = 240  # sparkline samples kept (one per decode step, over the whole session)
 WINDOW = 8  # decode steps behind the "now" speed and each sparkline sample: one step alone is noisy

@@ -73,7 +73,7 @@ async def shoot(app, out: Path, size: tuple[int, int], prompt: str, max_tokens: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_local.engine import Engine
+    from dflash_local.engine.engine import Engine
     from dflash_local.models import default_target
 
     from .app import ChatApp

@@ -11,7 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Input, Label, Static
 
-from dflash_local.sampling import MAX_TEMPERATURE
+from dflash_local.engine.sampling import MAX_TEMPERATURE
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from .api_errors import APIError
-from .engine import Engine
+from .errors import APIError
+from ..engine.engine import Engine
 
 
 class TokenizeRequest(BaseModel):

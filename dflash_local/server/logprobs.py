@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .engine import Engine
+from ..engine.engine import Engine
 
 
 def chat_logprobs(engine: Engine, entries: list) -> dict:

@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from . import chat_output, reasoning, tool_calls
-from .api_errors import APIError
-from .engine import ContextOverflowError, Engine, Finished
-from .grammar import grammar_of
-from .sampling import MAX_TEMPERATURE, ParamError, SamplingParams
+from ..chat import output as chat_output, reasoning, tool_calls
+from .errors import APIError
+from ..engine.engine import ContextOverflowError, Engine, Finished
+from ..engine.grammar import grammar_of
+from ..engine.sampling import MAX_TEMPERATURE, ParamError, SamplingParams
 
 # Request fields this server cannot honour, with the values it can (a field absent or null is always fine). A request
 # setting one otherwise is a 400 naming the field: a client asking for them would otherwise get something it did not

@@ -64,7 +64,7 @@ class Placement:
         return -1 if self.n_gpu_layers != 0 else 0
 
     def draft_on_gpu(self) -> bool:
-        from . import _native
+        from .. import _native
 
         return self.draft_gpu_layers != 0 and bool(_native.gpu_devices())
 
@@ -80,7 +80,7 @@ class Placement:
 
     def check(self, drafting: bool) -> None:
         """Refuse what llama.cpp would refuse late, abort on, or quietly ignore."""
-        from . import _native
+        from .. import _native
 
         for flag, name in (("-ctk", self.cache_type_k), ("-ctv", self.cache_type_v),
                            ("-ctkd", self.cache_type_k_draft), ("-ctvd", self.cache_type_v_draft)):
@@ -144,7 +144,7 @@ class Placement:
         """Read back where llama.cpp put each model's weights (its memory report, per context): in ggml's extra
         buffer types only where --repack asked for it. Their kernels change rounding with the batch size, and on AMX
         CPUs crash; nothing but the flag may put weights there."""
-        from . import _native
+        from .. import _native
 
         extra = set(_native.extra_buffer_types())
         for which, asked in (("target", self.repack), ("drafter", self.repack_draft)):

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server (`dflash-local serve`) over one engine, with DFlash drafting on by default.
 
-The routes are thin: the wire format is api_models.py, errors api_errors.py, streaming api_stream.py, and the
+The routes are thin: the wire format is schema.py, errors errors.py, streaming stream.py, and the
 engine runs one request at a time in runner.py.
 """
 
@@ -17,17 +17,17 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import chat_output
-from .api_errors import APIError, install_error_handlers
-from .api_logprobs import logprobs_body
-from .api_models import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
-from .api_props import model_card, props
-from .api_stream import sse_events
-from .api_tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from .engine import Engine, Finished
+from ..chat import output as chat_output
+from .errors import APIError, install_error_handlers
+from .logprobs import logprobs_body
+from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
+from .props import model_card, props
+from .stream import sse_events
+from .tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from ..engine.engine import Engine, Finished
 from .metrics import Metrics
 from .runner import Job, QueueFullError, Runner
-from .tool_calls import ToolChoiceError
+from ..chat.tool_calls import ToolChoiceError
 
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
 # does not run on to the end of the context (docs/server.md)

@@ -9,8 +9,8 @@ import math
 from importlib.metadata import version
 from pathlib import Path
 
-from .api_models import GenerationRequest
-from .engine import Engine
+from .schema import GenerationRequest
+from ..engine.engine import Engine
 
 
 def n_params(engine: Engine) -> int:

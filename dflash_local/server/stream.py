@@ -6,13 +6,13 @@ import asyncio
 import json
 import time
 
-from .api_logprobs import logprobs_body
-from .api_models import chunk_choice, finish_reason, timings_of, usage_of
-from .chat_output import Stream
-from .engine import Engine, Finished, TextDelta
+from .logprobs import logprobs_body
+from .schema import chunk_choice, finish_reason, timings_of, usage_of
+from ..chat.output import Stream
+from ..engine.engine import Engine, Finished, TextDelta
 from .metrics import Metrics
 from .runner import Job
-from .tool_calls import ToolChoiceError
+from ..chat.tool_calls import ToolChoiceError
 
 KEEPALIVE_SECONDS = 10.0
 

@@ -1,6 +1,6 @@
 """`dflash-local train`: a DFlash drafter for any GGUF target, taught by the target itself.
 
-1. Data (traindata.py): the target's greedy continuations of corpus prompts, and (--text-samples) longer corpus
+1. Data (data.py): the target's greedy continuations of corpus prompts, and (--text-samples) longer corpus
    passages the target only reads, with its hidden states at the chosen layers through the same native feature
    export the engine drafts with, and its most likely next tokens after every position.
 2. Training, the DFlash recipe: the drafter caches K/V of the fused target features of the context; blocks
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .extras import needs_extra
+from ..extras import needs_extra
 
 with needs_extra("torch", "train"):
     import torch
@@ -40,12 +40,12 @@ with needs_extra("torch", "train"):
 from dflash_local.convert.draft_vocab import target_rows
 from dflash_local.convert.init_drafter import default_target_layers, init_drafter
 
-from .atomic import atomic_output
-from .gguf_file import read_gguf
-from .placement import Placement, from_args
-from .validate import check_pair
-from .torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
-from .traindata import PASSAGE_TOKENS, Sample, from_bf16, load_sample, make_data
+from ..atomic import atomic_output
+from ..gguf_file import read_gguf
+from ..engine.placement import Placement, from_args
+from ..validate import check_pair
+from ..engine.torch_drafter import DFlashDrafter, load_gguf_drafter, pick_device
+from .data import PASSAGE_TOKENS, Sample, from_bf16, load_sample, make_data
 
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
@@ -398,7 +398,7 @@ class Trainer:
 
     def validate(self, model: DFlashDrafter, scale: torch.Tensor, prompts: list[str]) -> dict:
         """Mean acceptance length of the exported drafter in the real engine, greedy, full blocks."""
-        from .engine import Engine
+        from ..engine.engine import Engine
 
         cfg = self.cfg
         path = self.export(model, scale, self.out / "eval" / "drafter.gguf", "f32")
@@ -523,7 +523,7 @@ class Trainer:
 
 
 def run_train(args) -> int:
-    from .models import default_target
+    from ..models import default_target
 
     placement = from_args(args)
     placement.check(drafting=True)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _native
-from .atomic import atomic_output
-from .placement import FLASH_ATTN, Placement
+from .. import _native
+from ..atomic import atomic_output
+from ..engine.placement import FLASH_ATTN, Placement
 
 FORMAT = 2  # bfloat16 features and top-k distributions
 TOP_K = 8

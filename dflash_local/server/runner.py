@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .engine import Engine
+from ..engine.engine import Engine
 
 
 class QueueFullError(RuntimeError):

@@ -12,18 +12,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _native, chat
+from .. import _native
+from ..chat import templates as chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .grammar import grammar_of
-from .gguf_file import read_gguf
+from ..gguf_file import read_gguf
 from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .stats import StatsTracker, StepStats, Summary
-from .textstream import Output
-from .validate import DraftSpec, check_pair, check_target
+from ..chat.textstream import Output
+from ..validate import DraftSpec, check_pair, check_target
 
 
 class ContextOverflowError(ValueError):

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from . import _native
+from .. import _native
 
 
 # The highest temperature the engine, the CLI's --temp, the server's `temperature` and the TUI's setting accept.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .extras import needs_extra
+from ..extras import needs_extra
 
 with needs_extra("torch", "--draft-backend torch"):
     import torch
@@ -40,8 +40,8 @@ with needs_extra("torch", "--draft-backend torch"):
     from torch import nn
 
 from .drafter import Drafter
-from .gguf_file import read_gguf
-from .validate import check_checkpoint_pair
+from ..gguf_file import read_gguf
+from ..validate import check_checkpoint_pair
 
 
 @dataclass

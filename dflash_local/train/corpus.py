@@ -295,7 +295,7 @@ def training_prompts(corpus: str | Path | None = None, seed: int = 0, passages: 
 
 def write_corpus(path: str | Path, seed: int = 0) -> list[Prompt]:
     """The default corpus as JSONL (prompt, source, license, kind), in training order."""
-    from .atomic import atomic_output
+    from ..atomic import atomic_output
 
     rows = default_corpus(seed)
     with atomic_output(Path(path)) as tmp:
