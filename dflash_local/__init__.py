@@ -14,8 +14,9 @@ import importlib
 # The engine (and with it llama.cpp) loads on first use of these names, so that `import dflash_local.convert` or
 # `dflash-local inspect` do not load llama.cpp.
 _LAZY = {
-    "Engine": "engine.engine", "ContextOverflowError": "engine.engine", "EngineBusyError": "engine.engine",
-    "Finished": "engine.engine", "TextDelta": "engine.engine", "StepStats": "engine.stats", "Summary": "engine.stats",
+    **dict.fromkeys(["Engine", "Generation", "ContextOverflowError", "EngineBusyError", "Finished", "TextDelta"],
+                    "engine.engine"),
+    "StepStats": "engine.stats", "Summary": "engine.stats",
 }
 __all__ = list(_LAZY)
 __version__ = "0.1.0"

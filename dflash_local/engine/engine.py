@@ -21,7 +21,7 @@ from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams
+from .sampling import ParamError, SamplingParams
 from .stats import StatsTracker, StepStats, Summary
 from ..chat.textstream import Output
 from ..validate import DraftSpec, check_pair, check_target
@@ -52,6 +52,25 @@ class Finished:
 
 
 Event = TextDelta | StepStats | Finished
+
+
+@dataclass
+class Generation:
+    """One generation's request, parsed and checked once (Engine.prepare), then run by the loop (Engine.run). The
+    server, the CLI and the TUI hand this object on; its sampler holds the generation's sampling state, so it runs
+    once."""
+
+    ids: list[int]  # the prompt's tokens
+    prompt_text: str | None  # for chat messages, what the chat template made of them (an output parser reads it)
+    max_tokens: int
+    stop: list[str]
+    sampler: _native.Sampler
+    logprobs: bool  # report each token's logprobs (the sampler records them)
+    drafter: Drafter | None  # what drafts, beside the n-gram lookup; None: plain decoding
+    max_draft: int  # the drafter's longest draft
+    ngram: bool  # draft from repeats in the context too
+    shown: frozenset[int]  # control tokens the output shows as text
+    rejection: bool  # verify sampled drafts by speculative (rejection) sampling
 
 
 def _check_spec_sampling(mode: str) -> None:
@@ -319,10 +338,19 @@ class Engine:
 
     def prompt_tokens(self, prompt: str | None = None, messages: list[dict] | None = None,
                       chat_template_kwargs: dict | None = None) -> list[int]:
+        """The tokens a prompt, or chat messages through the chat template, decode as."""
         if (prompt is None) == (messages is None):
             raise ValueError("give either a prompt or chat messages")
-        if messages is not None:
-            ids = self.tokenize(self.chat_prompt(messages, chat_template_kwargs), special=True)
+        return self._prompt_ids(prompt, self.chat_prompt(messages, chat_template_kwargs) if messages is not None
+                                else None)
+
+    def _prompt_ids(self, prompt: str | None, chat_text: str | None) -> list[int]:
+        """The tokens of a raw prompt, or of a chat template's output (its control tokens parsed), checked against
+        the context."""
+        if (prompt is None) == (chat_text is None):
+            raise ValueError("give either a prompt or chat messages")
+        if chat_text is not None:
+            ids = self.tokenize(chat_text, special=True)
         else:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string")
@@ -338,13 +366,18 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------------------------
 
-    def generate(
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None, **kwargs) -> Iterator[Event]:
+        """Yield TextDelta, StepStats and, last, Finished for a prompt or chat messages; the keywords are prepare()'s.
+        draft=False is the plain-decoding baseline."""
+        yield from self.run(self.prepare(prompt, messages, **kwargs))
+
+    def prepare(
         self,
         prompt: str | None = None,
         messages: list[dict] | None = None,
         *,
         chat_template_kwargs: dict | None = None,
-        max_tokens: int = 256,
+        max_tokens: int | None = 256,
         stop: list[str] | tuple[str, ...] = (),
         temperature: float = 0.0,
         top_k: int = 0,
@@ -365,9 +398,13 @@ class Engine:
         preserved_tokens: list[str] | tuple[str, ...] = (),
         spec_sampling: str | None = None,
         block_size: int | None = None,
-    ) -> Iterator[Event]:
-        """Yield TextDelta, StepStats and, last, Finished. draft=False is the plain-decoding baseline; ngram=False
-        leaves out the engine's n-gram drafts (the drafter alone drafts).
+    ) -> Generation:
+        """Parse and check one generation's arguments: the prompt rendered and tokenized, the sampler built, the
+        drafts chosen. A bad value raises ValueError (ParamError naming a sampling parameter or the grammar,
+        ContextOverflowError for a prompt the context cannot hold) before anything runs.
+
+        max_tokens None: to the end of the context. draft=False is the plain-decoding baseline; ngram=False leaves
+        out the engine's n-gram drafts (the drafter alone drafts).
 
         The sampling controls are llama.cpp's (sampling.py); grammar is GBNF, json_schema a JSON schema the output
         must follow. logprobs=N reports each generated token's log-probability under the target (the softmax of its
@@ -388,7 +425,7 @@ class Engine:
         at least 1, and above the drafter's trained size it is the trained size. The n-gram drafts keep their own
         bound.
         """
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         max_draft = self.max_draft if block_size is None else self._longest_draft(self._block_size(block_size))
         if isinstance(stop, str):
@@ -399,13 +436,14 @@ class Engine:
                                 presence_penalty, frequency_penalty, grammar_of(grammar, json_schema))
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {logprobs!r}")
-        ids = self.prompt_tokens(prompt, messages, chat_template_kwargs)
-        shown = set()
-        for text in preserved_tokens:
-            one = self.target.tokenize(text, False, True)
-            if len(one) == 1:
-                shown.add(one[0])
-        sampler = params.sampler(self.target, ids, self.n_ctx, logprobs)
+        prompt_text = self.chat_prompt(messages, chat_template_kwargs) if messages is not None else None
+        ids = self._prompt_ids(prompt, prompt_text)
+        try:
+            sampler = params.sampler(self.target, ids, self.n_ctx, logprobs)
+        except ParamError:
+            raise
+        except ValueError as e:  # the grammar did not parse
+            raise ParamError("grammar", str(e)) from None
         drafter = None
         if draft:
             drafter = as_drafter(external_drafter) if external_drafter is not None else self.drafter
@@ -424,13 +462,27 @@ class Engine:
         if rejection and params.grammar:
             raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
                              "(match)")
+        return Generation(
+            ids, prompt_text, max_tokens or self.n_ctx - len(ids), list(stop), sampler, logprobs is not None,
+            drafter, max_draft,
+            # rejection sampling verifies the drafter's own distribution, which an n-gram draft does not have
+            bool(self.ngram and draft and ngram and not rejection),
+            self.token_set(preserved_tokens), rejection,
+        )
+
+    def token_set(self, texts) -> frozenset[int]:
+        """The ids of the strings that are one token of this vocabulary (the others are left out)."""
+        ids = (self.target.tokenize(text, False, True) for text in texts)
+        return frozenset(one[0] for one in ids if len(one) == 1)
+
+    def run(self, r: Generation) -> Iterator[Event]:
+        """Run a prepared generation: yield TextDelta, StepStats and, last, Finished."""
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("another generation is running on this engine")
         try:
-            # rejection sampling verifies the drafter's own distribution, which an n-gram draft does not have
-            ngram_drafter = NgramDrafter(self.ngram) if self.ngram and draft and ngram and not rejection else None
-            yield from self._generate(ids, max_tokens, list(stop), sampler, logprobs is not None, drafter,
-                                      max_draft, ngram_drafter, frozenset(shown), rejection)
+            ngram = NgramDrafter(self.ngram) if r.ngram else None
+            yield from self._generate(r.ids, r.max_tokens, r.stop, r.sampler, r.logprobs, r.drafter, r.max_draft,
+                                      ngram, r.shown, r.rejection)
         finally:
             self._lock.release()
 

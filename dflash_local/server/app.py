@@ -24,7 +24,7 @@ from .schema import ChatRequest, CompletionRequest, GenerationRequest, completio
 from .props import model_card, props
 from .stream import sse_events
 from .tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from ..engine.engine import Engine, Finished
+from ..engine.engine import Engine, Finished, Generation
 from .metrics import Metrics
 from .runner import Job, QueueFullError, Runner
 from ..chat.tool_calls import ToolChoiceError
@@ -168,28 +168,27 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         engine = state.admit(request, body)
-        prompt = body.prompt_kwargs()
-        syntax = body.output_syntax(engine, prompt, state.reasoning_format)
-        return await respond(state, engine, body, request, prompt, syntax)
+        generation = body.prepare(engine, body.prompt_kwargs(), "messages", state.n_predict)
+        syntax = body.output_syntax(engine, generation.prompt_text, state.reasoning_format)
+        generation.shown = engine.token_set(syntax.preserved)  # the format's control tokens, shown to its parser
+        return await respond(state, engine, body, request, generation, syntax)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = state.admit(request, body)
-        return await respond(state, engine, body, request, body.prompt_kwargs(), None)
+        generation = body.prepare(engine, body.prompt_kwargs(), "prompt", state.n_predict)
+        return await respond(state, engine, body, request, generation, None)
 
     return app
 
 
-async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request, prompt: dict,
-                  syntax: chat_output.Syntax | None):
-    """Queue the generation; stream its chunks, or wait for it and answer with the whole completion. `syntax` reads
-    a chat completion's output (None for a text completion)."""
+async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request,
+                  generation: Generation, syntax: chat_output.Syntax | None):
+    """Queue the prepared generation; stream its chunks, or wait for it and answer with the whole completion.
+    `syntax` reads a chat completion's output (None for a text completion)."""
     chat = syntax is not None
-    kwargs = body.generate_kwargs(engine, prompt, "messages" if chat else "prompt", state.n_predict)
-    if chat:
-        kwargs["preserved_tokens"] = syntax.preserved
     try:
-        job = state.runner.submit(**kwargs)
+        job = state.runner.submit(generation)
     except QueueFullError as e:
         raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": "5"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from ..engine.engine import Engine
+from ..engine.engine import Engine, Generation
 
 
 class QueueFullError(RuntimeError):
@@ -41,17 +41,17 @@ class Runner:
         self.waiting = 0
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order
 
-    def submit(self, **generate_kwargs) -> Job:
+    def submit(self, generation: Generation) -> Job:
         # while the engine is free, one of the waiting jobs is about to start (its task has not run yet): it does
         # not count against the queue
         if self.waiting >= self.max_queue + (0 if self._lock.locked() else 1):
             raise QueueFullError(f"{self.waiting} requests are already waiting")
         job = Job()
         self.waiting += 1
-        asyncio.get_running_loop().create_task(self._run(job, generate_kwargs))
+        asyncio.get_running_loop().create_task(self._run(job, generation))
         return job
 
-    async def _run(self, job: Job, kwargs: dict) -> None:
+    async def _run(self, job: Job, generation: Generation) -> None:
         try:
             await self._lock.acquire()
         finally:
@@ -67,7 +67,7 @@ class Runner:
 
         def work():
             try:
-                gen = self.engine.generate(**kwargs)
+                gen = self.engine.run(generation)
                 try:
                     for ev in gen:
                         put(ev)

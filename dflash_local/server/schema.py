@@ -12,9 +12,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, Str
 
 from ..chat import output as chat_output, reasoning, tool_calls
 from .errors import APIError
-from ..engine.engine import ContextOverflowError, Engine, Finished
+from ..engine.engine import ContextOverflowError, Engine, Finished, Generation
 from ..engine.grammar import grammar_of
-from ..engine.sampling import MAX_TEMPERATURE, ParamError, SamplingParams
+from ..engine.sampling import MAX_TEMPERATURE, ParamError
 
 # Request fields this server cannot honour, with the values it can (a field absent or null is always fine). A request
 # setting one otherwise is a 400 naming the field: a client asking for them would otherwise get something it did not
@@ -99,38 +99,27 @@ class GenerationRequest(BaseModel):
         """How many top logprobs per token the response carries (None: no logprobs)."""
         return None
 
-    def generate_kwargs(self, engine: Engine, prompt: dict, prompt_param: str, n_predict: int = -1) -> dict:
-        """Engine.generate's arguments for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a value
-        the engine would refuse raises APIError. n_predict caps a request that sets no max_tokens (-1: the context's
-        end), as llama-server's -n."""
+    def prepare(self, engine: Engine, prompt: dict, prompt_param: str, n_predict: int = -1) -> Generation:
+        """The engine's prepared generation for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a
+        value the engine refuses raises APIError naming the field. n_predict caps a request that sets no max_tokens
+        (-1: the context's end), as llama-server's -n."""
         self.refuse_unsupported()
         grammar, grammar_param = self.grammar_text()
-        controls = dict(logit_bias=self.logit_bias, repeat_penalty=self.repeat_penalty,
-                        repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty)
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
-            ids = engine.prompt_tokens(**prompt)
+            return engine.prepare(
+                **prompt, max_tokens=self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0
+                                                                                        else None),
+                stop=stop, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                seed=self.seed, grammar=grammar, logprobs=self.n_logprobs(), logit_bias=self.logit_bias,
+                repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         except ContextOverflowError as e:
             raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
-        except ValueError as e:
+        except ParamError as e:
+            raise APIError(400, str(e), param=grammar_param if e.param == "grammar" else e.param)
+        except ValueError as e:  # the chat template's own errors, an empty prompt
             raise APIError(400, str(e))
-        try:
-            params = SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, **controls)
-        except ParamError as e:
-            raise APIError(400, str(e), param=e.param)
-        try:
-            params.grammar = grammar
-            params.sampler(engine.target, [], engine.n_ctx)  # parses the grammar, checks the bias's token ids
-        except ParamError as e:
-            raise APIError(400, str(e), param=e.param)
-        except ValueError as e:  # the grammar did not parse
-            raise APIError(400, str(e), param=grammar_param)
-        max_tokens = self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0 else
-                                                                       engine.n_ctx - len(ids))
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return dict(prompt, max_tokens=max_tokens, stop=stop, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, min_p=self.min_p, seed=self.seed, grammar=grammar, logprobs=self.n_logprobs(),
-                    **controls)
 
 
 class ChatMessage(BaseModel):
@@ -182,9 +171,9 @@ class ChatRequest(GenerationRequest):
         kwargs = budget | (self.chat_template_kwargs or {}) | ({"tools": self.tools} if self.tools else {})
         return {"messages": tool_calls.template_messages(messages), "chat_template_kwargs": kwargs}
 
-    def output_syntax(self, engine: Engine, prompt: dict, reasoning_format: str) -> chat_output.Syntax:
-        """How this request's output is read (reasoning, tool calls); a request that cannot be served raises
-        APIError."""
+    def output_syntax(self, engine: Engine, prompt_text: str, reasoning_format: str) -> chat_output.Syntax:
+        """How this request's output is read (reasoning, tool calls), given its rendered prompt; a request that
+        cannot be served raises APIError."""
         fmt = self.reasoning_format or reasoning_format
         try:
             reasoning.check_format(fmt)
@@ -195,11 +184,7 @@ class ChatRequest(GenerationRequest):
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice")
         try:
-            text = engine.chat_prompt(prompt["messages"], prompt["chat_template_kwargs"])
-        except ValueError as e:  # the template's own errors
-            raise APIError(400, str(e))
-        try:
-            return chat_output.syntax_for(engine.chat_template, text, fmt, self.tools, self.tool_choice,
+            return chat_output.syntax_for(engine.chat_template, prompt_text, fmt, self.tools, self.tool_choice,
                                           self.parallel_tool_calls)
         except ValueError as e:  # tools for a model whose call syntax is unknown
             raise APIError(400, str(e), param="tools")
