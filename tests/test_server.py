@@ -677,3 +677,26 @@ def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_d
         proc.terminate()
         proc.wait(10)
     assert "warning: the drafter failed to load" in proc.stderr.read()
+
+
+def test_a_chat_request_is_prepared_once(server, monkeypatch):
+    """One chat request renders its template once, tokenizes its prompt once and builds one sampler, which is the
+    one that samples (Engine.prepare -> Generation -> the runner -> Engine.run)."""
+    from dflash_local.chat import templates
+    from dflash_local.engine.sampling import SamplingParams
+
+    calls = {"render": 0, "tokenize": 0, "sampler": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(templates, "render", counted("render", templates.render))
+    monkeypatch.setattr(SamplingParams, "sampler", counted("sampler", SamplingParams.sampler))
+    monkeypatch.setattr(Engine, "tokenize", counted("tokenize", Engine.tokenize))
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth(), json={
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert calls == {"render": 1, "tokenize": 1, "sampler": 1}
