@@ -30,7 +30,7 @@ def test_the_lookup_drafts_what_followed_the_latest_earlier_match():
 
 def test_another_drafters_steps_teach_a_policy_costs_but_not_acceptance():
     p = DraftPolicy(4)
-    p.update(3, 3, 30.0, 0.1, mine=False)
+    p.observe(3, 3, 30.0)
     assert p.verify_ms == {4: 30.0} and p.tried == [0.0] * 4 and p.steps_since_draft == 1
     p.update(3, 3, 30.0, 0.1)
     assert p.tried[:3] == [1.0] * 3 and p.steps_since_draft == 0

@@ -492,7 +492,9 @@ class Engine:
         verify, emit) until the output ends."""
         s = self.session
         policy = self._policy_for("drafter", max_draft if drafter else 0)
-        ngram_policy = self._policy_for("ngram", ngram.m) if ngram else None
+        # the proposers, tried in this order at each step as llama.cpp's common/speculative.cpp chains them: a repeat
+        # in the context first (free), then the drafter; each with its own draft-length policy
+        chain = ([(ngram, self._policy_for("ngram", ngram.m))] if ngram else []) + [(drafter, policy)]
         # acceptance by block position: the drafter's block, or without one the n-gram lookup's first 7 drafts
         tracker = StatsTracker(max(max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
         out = Output(self.target, stop, max_tokens, shown)
@@ -521,15 +523,12 @@ class Engine:
                     break
                 t_step = time.perf_counter()
                 room = max_tokens - len(out.ids) - 1  # drafts past max_tokens would be wasted
-                # a repeat in the context drafts first (free); the drafter drafts when there is none worth verifying
-                found = ngram.draft(tokens, room) if ngram else []
-                repeat = found[: ngram_policy.choose()] if found else []
-                lookup_ms = (time.perf_counter() - t_step) * 1000
-                k = 0 if repeat else min(policy.choose(), room)
-                r, draft_ms, ratings = self._speculate(tokens, k, len(tokens) - len(ids), sampler, drafter,
-                                                       rejection, ngram_policy if repeat else policy, repeat)
-                if repeat:
-                    draft_ms += lookup_ms
+                index = len(tokens) - len(ids)  # the number of the target's next generated token
+                proposer, proposal, ratings, draft_ms = self._propose(chain, tokens, room, index, sampler, rejection)
+                owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
+                r, step_ms = self._step(tokens, proposal, index, sampler, rejection, owner, drafter)
+                draft_ms += step_ms
+                ratings = ratings[: len(r.draft)] if ratings else None
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
                 text = out.add(r.tokens)
@@ -543,15 +542,17 @@ class Engine:
                     rollback_ms=r.rollback_ms,
                     other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
                     rollback=r.rollback,
-                    ngram=bool(repeat),
+                    ngram=proposer is not None and proposer is ngram,
                 )
                 tracker.add(stats)
                 # a rejected draft's rollback is part of what verifying it cost
-                for p, mine in ((policy, not repeat), (ngram_policy, bool(repeat))):
-                    if p is not None:
-                        p.update(stats.n_drafted, stats.n_accepted, stats.verify_ms + stats.rollback_ms,
-                                 stats.draft_ms, r.sample_ms, ratings, mine=mine, head_ms=r.head_ms,
-                                 head_rows=r.head_rows)
+                verify_ms = stats.verify_ms + stats.rollback_ms
+                for _, p in chain:
+                    if p is owner:
+                        p.update(stats.n_drafted, stats.n_accepted, verify_ms, stats.draft_ms, r.sample_ms, ratings,
+                                 head_ms=r.head_ms, head_rows=r.head_rows)
+                    else:
+                        p.observe(stats.n_drafted, stats.n_accepted, verify_ms, r.sample_ms, r.head_ms, r.head_rows)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -601,33 +602,44 @@ class Engine:
                 s.checkpoint()
         return first
 
-    def _speculate(self, tokens: list[int], k: int, index: int, sampler, drafter: Drafter | None,
-                   rejection: bool, policy: DraftPolicy, repeat: list[int]):
-        """One step: the drafter proposes k tokens after `tokens` (cut by the policy where the drafter rates them),
-        or `repeat`, an n-gram draft, is proposed instead (`policy` is the proposer's: it also says how many verify
-        rows the step will likely read); the target verifies them (its own token at each position is generated token
-        number index + i), the drafter takes the accepted positions' features. Rejection sampling draws the draft
-        from the llama.cpp drafter's distribution, which the step then uses. Returns the native StepResult, the
-        drafter's milliseconds and its ratings of the verified drafts (None if it gives none)."""
-        s = self.session
-        proposal, draft_ms, ratings = repeat, 0.0, None
-        if k > 0:
+    def _propose(self, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
+        """The first proposal of the chain of (drafter, policy): each drafts as many tokens as its policy chooses
+        (at most room), cut where the drafter rates them. Returns the drafter that proposed (None: none did, a plain
+        step), its tokens, its ratings of them (None if it gives none) and its milliseconds. Rejection sampling draws
+        the llama.cpp drafter's tokens from its distribution, which the step then uses."""
+        spent = 0.0  # a draft that its ratings cut to nothing still took its time
+        for drafter, policy in chain:
+            k = min(policy.choose(), room)
+            if drafter is None or k < 1:
+                continue
             t0 = time.perf_counter()
             if rejection:
-                proposal = s.draft(tokens[-1], k, False, sampler, index).tokens
+                proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index).tokens, None
             else:
                 proposal, ratings = drafter.draft_rated(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
             if ratings:
                 proposal = proposal[: policy.cut(ratings, draft_ms)]
+            if proposal:
+                return drafter, proposal, ratings, draft_ms
+            spent = draft_ms if ratings else 0.0
+        return None, [], None, spent
+
+    def _step(self, tokens: list[int], proposal: list[int], index: int, sampler, rejection: bool,
+              policy: DraftPolicy, drafter: Drafter | None):
+        """The target verifies the proposal after `tokens` (its own token at each position is generated token number
+        index + i; `policy`, the proposer's, says how many verify rows it will likely read), and the drafter takes
+        the accepted positions' features, whoever proposed. Returns the native StepResult and the drafter's
+        milliseconds in it."""
+        s = self.session
         pos0 = s.n_past
         r = s.step(tokens[-1], proposal, sampler, index, rejection, policy.likely_rows(len(proposal)))
-        draft_ms += r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
+        draft_ms = r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()
             drafter.extend(s, pos0, r.n_accepted + 1)
             draft_ms += (time.perf_counter() - t0) * 1000
-        return r, draft_ms, ratings[: len(r.draft)] if ratings else None
+        return r, draft_ms
 
     def _policy_for(self, name: str, max_draft: int) -> DraftPolicy:
         """The adaptive policy of one drafter ('drafter' or 'ngram'), kept across generations (its timings and

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .drafter import Drafter
+
 
 @dataclass(frozen=True)
 class NgramSpec:
@@ -22,8 +24,8 @@ class NgramSpec:
             raise ValueError(f"n-gram sizes must be at least 1, got n={self.size_n}, m={self.size_m}")
 
 
-class NgramDrafter:
-    """One generation's lookup table: for every n-gram of the tokens so far, where it last ended. The tokens only
+class NgramDrafter(Drafter):
+    """A proposer like the DFlash drafters, needing no context of features. One generation's lookup table: for every n-gram of the tokens so far, where it last ended. The tokens only
     grow during a generation, so each call indexes just the new positions."""
 
     def __init__(self, spec: NgramSpec):

@@ -194,25 +194,31 @@ class DraftPolicy:
                 best, best_rate = m, rate
         return best
 
-    def update(
-        self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
-        ratings: list[float] | None = None, mine: bool = True, head_ms: float = 0.0, head_rows: int = 0,
+    def observe(
+        self, n_drafted: int, n_accepted: int, verify_ms: float, sample_ms: float = 0.0, head_ms: float = 0.0,
+        head_rows: int = 0,
     ) -> None:
-        """One step's outcome; verify_ms: its target time, head_ms of it for the head_rows rows whose LM head was
-        computed on demand; sample_ms: its time sampling the n_accepted + 1 rows it took tokens from; ratings: the
-        drafter's rating of each verified draft, if it gives them. mine=False: another drafter's step (the n-gram
-        lookup's, ngram.py): its timings count, since a verify costs the same whoever drafted, its acceptance does
-        not."""
-        self.steps_since_draft = 0 if n_drafted and mine else self.steps_since_draft + 1
+        """Another proposer's step (the n-gram lookup's, ngram.py): its timings count, since a verify costs the same
+        whoever drafted, its acceptance does not. verify_ms: its target time, head_ms of it for the head_rows rows
+        whose LM head was computed on demand; sample_ms: its time sampling the n_accepted + 1 rows it took tokens
+        from."""
+        self.steps_since_draft += 1
         if head_rows:
             per_row = head_ms / head_rows
             self.head_ms = self._record("head", 1, per_row)
             verify_ms -= head_ms - per_row  # T holds one row's head, as a plain step's
         self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
         self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
-        if not mine:
-            return
+
+    def update(
+        self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
+        ratings: list[float] | None = None, head_ms: float = 0.0, head_rows: int = 0,
+    ) -> None:
+        """This proposer's step (or a plain one): its timings as observe() takes them, draft_ms, and its acceptance;
+        ratings: the drafter's rating of each verified draft, if it gives them."""
+        self.observe(n_drafted, n_accepted, verify_ms, sample_ms, head_ms, head_rows)
         if n_drafted:
+            self.steps_since_draft = 0
             self.draft_ms[n_drafted] = self._record("draft", n_drafted, draft_ms)
             # judged on the running medians, not on this one step's timing
             plain = self._estimate(self.verify_ms, 1)
