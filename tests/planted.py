@@ -7,21 +7,30 @@ pieces given, to test how the server reads outputs (reasoning, tool calls) that 
 
 from dataclasses import replace
 
-from dflash_local.engine.engine import Engine, Finished, TextDelta
+from dflash_local.engine.engine import Engine, Finished, Generation, TextDelta
 
 
 class PlantedEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.pieces: list[str] = []
-        self.requests: list[dict] = []  # generate()'s arguments, one per request
+        self.requests: list[Generation] = []  # the prepared generations, one per request
+        self.preserved: list[str] = []  # the last request's preserved tokens (a chat format's control tokens)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, **kwargs):
-        self.requests.append(kwargs)
-        real = self.engine.complete(**{**kwargs, "max_tokens": 1})
+    def generate(self, prompt=None, messages=None, **kwargs):
+        self.preserved = list(kwargs.get("preserved_tokens", ()))
+        yield from self.run(self.engine.prepare(prompt, messages, **kwargs))
+
+    def token_set(self, texts) -> frozenset[int]:
+        self.preserved = list(texts)  # the control tokens a chat format's parser asked to see (the server's path)
+        return self.engine.token_set(texts)
+
+    def run(self, generation: Generation):
+        self.requests.append(generation)
+        real = [ev for ev in self.engine.run(replace(generation, max_tokens=1)) if isinstance(ev, Finished)][0]
         for piece in self.pieces:
             yield TextDelta(piece)
         # the planted text ends as a model's answer does, at an end-of-generation token
@@ -29,8 +38,8 @@ class PlantedEngine:
 
     def last_prompt(self) -> str:
         """The prompt text of the last request."""
-        r = self.requests[-1]
-        return self.engine.chat_prompt(r["messages"], r["chat_template_kwargs"])
+        return self.requests[-1].prompt_text
+
 
 
 def cut(text: str, n: int) -> list[str]:

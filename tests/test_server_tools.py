@@ -61,7 +61,7 @@ def test_tool_call_round_trip_with_the_openai_client(planted):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert {"<think>", "</think>", "<tool_call>", "</tool_call>"} <= set(engine.requests[-1]["preserved_tokens"])
+    assert {"<think>", "</think>", "<tool_call>", "</tool_call>"} <= set(engine.preserved)
     prompt = engine.last_prompt()
     assert '"name": "get_weather"' in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
 
@@ -168,7 +168,7 @@ def test_gpt_oss_channels_through_the_server(tiny_target):
         (call,) = [tc for d in deltas for tc in d.get("tool_calls", [])]
         assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
         assert data[-1]["choices"][0]["finish_reason"] == "tool_calls"
-        assert {"<|channel|>", "<|message|>", "<|start|>"} <= set(engine.requests[-1]["preserved_tokens"])
+        assert {"<|channel|>", "<|message|>", "<|start|>"} <= set(engine.preserved)
     finally:
         s.stop()
 
