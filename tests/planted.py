@@ -41,6 +41,5 @@ class PlantedEngine:
         return self.requests[-1].prompt_text
 
 
-
 def cut(text: str, n: int) -> list[str]:
     return [text[i:i + n] for i in range(0, len(text), n)]
