@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,7 +100,10 @@ PEER_CHILD = [sys.executable, "-c", "from dflash_local.bench import prompt_looku
 def run_peer(argv: list[str], job: dict, timeout: float = 3600) -> tuple[dict | None, str | None]:
     """Run a peer process with `job` as JSON on its stdin: (its JSON result, None), or (None, why it failed)."""
     try:
-        r = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout)
+        # from a neutral folder: `python -c` puts the working directory first on sys.path, and in the repository root
+        # that is the source tree, without the built native module
+        r = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout,
+                           cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:g} s"
     if r.returncode < 0:

@@ -83,3 +83,14 @@ def test_a_peer_that_fails_says_why():
     assert run_peer(echo, {"a": 1}) == ({"got": {"a": 1}}, None)
     assert run_peer([sys.executable, "-c", "import time; time.sleep(5)"], {}, timeout=0.5) == (
         None, "timed out after 0.5 s")
+
+
+def test_the_prompt_lookup_peer_runs_from_the_repository_root(tiny_target, monkeypatch):
+    from pathlib import Path
+
+    from dflash_local.bench import prompt_lookup_speed
+
+    # there `python -c` would import the source tree's dflash_local, which has no built native module
+    monkeypatch.chdir(Path(__file__).parents[1])
+    speed, error = prompt_lookup_speed(tiny_target, {"prompt": "Hello world"}, 8, 2, 512)
+    assert error is None and speed > 0
