@@ -1,14 +1,17 @@
 """Requests per minute and tokens/s of `dflash-local serve` for a sequence of chat requests, with and without drafter.
 
-    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128]
+    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128] [--llama-server PATH]
 
 Starts the real server (a subprocess on 127.0.0.1) once with the drafter and once with --no-draft, sends the same
-chat requests one after another through the official openai client, and prints a Markdown table.
+chat requests one after another through the official openai client, and prints a Markdown table. With
+--llama-server, upstream llama-server (plain, one slot, the same context and threads) gets the same requests on its
+/v1/chat/completions, with its own chat template.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -33,11 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(model_args: list[str], n: int, max_tokens: int, label: str) -> dict:
+def run(argv: list[str], n: int, max_tokens: int, label: str) -> dict:
+    """The requests against the server `argv` starts (given --port too)."""
     port = free_port()
     # run from a neutral folder: in the repository root `-m dflash_local` would find the unbuilt source tree
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", "--port", str(port), *model_args],
-                            stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    proc = subprocess.Popen([*argv, "--port", str(port)], stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -72,10 +75,18 @@ def main() -> int:
     p.add_argument("-d", "--draft", required=True, help="drafter GGUF")
     p.add_argument("-n", "--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--llama-server", metavar="PATH", help="also time upstream llama-server, plain")
     args = p.parse_args()
-    base = ["-m", args.model] if args.model else []
-    rows = [run(base + ["-d", args.draft], args.requests, args.max_tokens, "dflash"),
-            run(base + ["--no-draft"], args.requests, args.max_tokens, "no drafter")]
+    ours = [sys.executable, "-m", "dflash_local", "serve"] + (["-m", args.model] if args.model else [])
+    rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash"),
+            run(ours + ["--no-draft"], args.requests, args.max_tokens, "no drafter")]
+    if args.llama_server:
+        from dflash_local.models import default_target
+
+        # our serve's defaults: context 4096, all cores
+        upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np", "1",
+                    "-c", "4096", "-t", str(os.cpu_count())]
+        rows.append(run(upstream, args.requests, args.max_tokens, "llama-server"))
     print("| server | requests | tokens | seconds | requests/min | tokens/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:

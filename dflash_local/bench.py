@@ -5,21 +5,25 @@ blocks), speedup, mean acceptance length tau and acceptance per block position (
 position is tried); the target's verify cost T(k) for k = 1..B, the draft cost, and the ideal speedup they imply
 (tau * T(1) / (T(B) + draft)); with the engine's n-gram lookup (--spec-type ngram-simple), DFlash with n-gram drafts
 too (the other DFlash rows leave them out: they measure the drafter); llama-cpp-python's prompt-lookup decoding as a
-peer row. Greedy outputs must be token-identical to the baseline: any mismatch fails the run.
+peer row; with --llama-server, upstream llama-server's plain and speculative configurations over the same prompts
+(peers.py), after ours. Greedy outputs must be token-identical to the baseline: any mismatch fails the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _native
+from . import _native, peers
 from .engine.engine import Engine
 from .extras import install_hint
 from .engine.stats import pooled
@@ -96,7 +100,10 @@ PEER_CHILD = [sys.executable, "-c", "from dflash_local.bench import prompt_looku
 def run_peer(argv: list[str], job: dict, timeout: float = 3600) -> tuple[dict | None, str | None]:
     """Run a peer process with `job` as JSON on its stdin: (its JSON result, None), or (None, why it failed)."""
     try:
-        r = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout)
+        # from a neutral folder: `python -c` puts the working directory first on sys.path, and in the repository root
+        # that is the source tree, without the built native module
+        r = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout,
+                           cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:g} s"
     if r.returncode < 0:
@@ -149,11 +156,15 @@ def row_request(row: dict) -> dict:
     return {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
 
 
-def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool = True, log=print) -> dict:
-    rows = []
+def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool = True, log=print,
+              llama_server: str | None = None, llama_server_args: list[str] = (), out: Path | None = None) -> dict:
+    """Our rows for every prompt; with llama_server (its path), its rows after ours, logs in `out`."""
+    rows, prompt_ids, plain_ids = [], [], []
     for i, row in enumerate(prompts):
         kw = row_request(row)
         base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
+        prompt_ids.append(engine.prompt_tokens(**kw))
+        plain_ids.append(base.token_ids)
         engine.draft_policy = "fixed"
         fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
         engine.draft_policy = "auto"
@@ -240,6 +251,9 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         speeds = [r["prompt_lookup_tokens_per_second"] for r in rows if r["prompt_lookup_tokens_per_second"]]
         overall["prompt_lookup_tokens_per_second"] = statistics.mean(speeds) if speeds else None
         overall["prompt_lookup_errors"] = sum(1 for r in rows if r["prompt_lookup_error"])
+    if llama_server:
+        overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
+                                           max_tokens, base_speed, out, log)
     return {"rows": rows, "overall": overall}
 
 
@@ -281,6 +295,8 @@ def markdown(result: dict) -> str:
         lines[-1] += (f" With n-gram drafts (ngram-simple, n = {g['size_n']}, m = {g['size_m']}): "
                       f"{g['ngram_steps']} of {g['steps']} steps drafted by the lookup, {g['ngram_accepted']} of "
                       f"their tokens accepted; tau {g['mean_acceptance_length']:.2f}.")
+    if "peers" in o:
+        lines += ["", peers.markdown(o["peers"], o["prompts"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -299,13 +315,24 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     o = result["overall"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    ran = [r for r in o.get("peers", []) if r["error"] is None]
+    fig, axes = plt.subplots(1, 3 if ran else 2, figsize=(16 if ran else 10, 4))
+    a, b = axes[:2]
     ks = list(o["verify_ms"])
     a.plot(ks, [o["verify_ms"][k] for k in ks], marker="o")
     a.set(xlabel="tokens verified (k)", ylabel="target verify time T(k), ms", title="Verify cost")
     b.bar(range(1, len(o["acceptance_rate"]) + 1), o["acceptance_rate"])
     b.set(xlabel="block position", ylabel="acceptance rate", ylim=(0, 1),
           title=f"tau {o['mean_acceptance_length']:.2f}, speedup {o['speedup']:.2f}x")
+    if ran:  # a bar per llama-server configuration that ran, under ours
+        ours = [("ours: plain", o["baseline_tokens_per_second"]), ("ours: DFlash", o["dflash_tokens_per_second"])]
+        if "ngram_tokens_per_second" in o:
+            ours.append(("ours: DFlash + n-gram", o["ngram_tokens_per_second"]))
+        bars = ours + [(f"llama-server {r['name']}", r["tokens_per_second"]) for r in ran]
+        axes[2].barh(range(len(bars)), [v for _, v in bars], color=["C1"] * len(ours) + ["C0"] * len(ran))
+        axes[2].set_yticks(range(len(bars)), [n for n, _ in bars], fontsize=6)
+        axes[2].invert_yaxis()
+        axes[2].set(xlabel="decode tokens/s", title="Ours and llama-server")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -321,6 +348,18 @@ def write_outputs(result: dict, out: Path, with_plot: bool) -> None:
         (out / "bench.png").unlink(missing_ok=True)  # an earlier run's picture would not match these results
 
 
+def llama_server_args(path: str | None, extra: str | None) -> list[str]:
+    """--llama-server-args as a list, after checking that --llama-server is a program."""
+    if extra is not None and path is None:
+        raise ValueError("--llama-server-args goes with --llama-server PATH")
+    if path is not None and not (Path(path).is_file() and os.access(path, os.X_OK)):
+        raise ValueError(f"--llama-server {path}: not an executable file")
+    try:
+        return shlex.split(extra or "")
+    except ValueError as e:
+        raise ValueError(f"--llama-server-args {extra!r}: {e}") from None
+
+
 def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
     # the plot is the only part that needs matplotlib (the bench extra): without it the run goes on, said up front
     with_plot = have_matplotlib()
@@ -330,9 +369,11 @@ def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
     if args.reasoning != "auto" and not any("messages" in row for row in prompts):
         raise ValueError("--reasoning sets enable_thinking in the chat template: it needs chat prompts ('messages' "
                          "rows in --prompts)")
+    server_args = llama_server_args(args.llama_server, args.llama_server_args)  # bad flags fail before the models load
     engine = load_engine()
     result = run_bench(engine, prompts, args.max_tokens, peer=not args.no_peer,
-                       log=lambda m: print(m, file=sys.stderr))
+                       log=lambda m: print(m, file=sys.stderr), llama_server=args.llama_server,
+                       llama_server_args=server_args, out=Path(args.out))
     result["overall"]["reasoning"] = args.reasoning  # thinking on/off for the chat prompts, or the template's default
     write_outputs(result, Path(args.out), with_plot)
     print(markdown(result))

@@ -470,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-n", "--max-tokens", type=int, default=256)
     b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
+    b.add_argument("--llama-server", metavar="PATH", help="also run every prompt through this upstream llama-server, "
+                   "plain and with its speculative types (ngram-simple, ngram-mod, draft-dflash with our drafter)")
+    b.add_argument("--llama-server-args", metavar="ARGS", help="more flags for every llama-server run, one string "
+                   "(e.g. \"--no-repack\")")
     _reasoning_args(b, server=False)
     b.set_defaults(func=cmd_bench)
 
@@ -517,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     _train_args(tr)
     tr.set_defaults(func=cmd_train)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--llama-server-args" in argv[:-1]:
+        # its value starts with "-" (--no-repack), which argparse would take for a flag of ours
+        i = argv.index("--llama-server-args")
+        argv[i:i + 2] = [f"--llama-server-args={argv[i + 1]}"]
     args = parser.parse_args(argv)
     try:
         if getattr(args, "draft_backend", None) == "torch" and not args.no_draft:

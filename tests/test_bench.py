@@ -104,3 +104,12 @@ def test_sampling_speed_script_runs_on_the_tiny_target(tiny_target, tmp_path, mo
     assert all(r["tokens_per_second"] > 0 and r["sampler_ms_per_row"] > 0 for r in report.values())
     # it drove the session by hand last, past the engine's prompt cache, which therefore claims none of it
     assert engines[0].cache.tokens == []
+
+
+def test_the_prompt_lookup_peer_runs_from_the_repository_root(tiny_target, monkeypatch):
+    from dflash_local.bench import prompt_lookup_speed
+
+    # there `python -c` would import the source tree's dflash_local, which has no built native module
+    monkeypatch.chdir(Path(__file__).parents[1])
+    speed, error = prompt_lookup_speed(tiny_target, {"prompt": "Hello world"}, 8, 2, 512)
+    assert error is None and speed > 0
