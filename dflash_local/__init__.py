@@ -1,7 +1,8 @@
 """dflash-local: DFlash speculative decoding for local GGUF models on llama.cpp.
 
 The packages draw the architecture; imports go one way, frontends -> engine -> native (tests/test_layout.py):
-- frontends: cli.py (every command), server/, tui/ (the Textual app), train/, bench.py, pull.py, rpc.py;
+- frontends: cli.py (every command), server/, tui/ (the Textual app), train/, bench.py (with peers.py and
+  llama_server.py: upstream's llama-server as the peer it is measured against), pull.py, rpc.py;
 - engine/: the pair, the generation loop, drafters, policy, sampling, placement;
 - chat/ (templates, streamed text, reasoning and tool calls) and convert/ (the GGUF converter), beneath the engine;
 - the base modules: gguf_file.py (GGUF headers), validate.py (what a valid target/drafter pair is), atomic.py (file

@@ -19,6 +19,8 @@ LAYERS = [
     ["validate"],
     ["chat", "convert"],
     ["engine"],
+    ["llama_server"],  # upstream's llama-server as a process, and its configurations as the bench's peers
+    ["peers"],
     ["server", "train", "tui", "bench", "pull", "rpc"],
     ["cli"],
     ["__main__", "__init__"],
