@@ -22,9 +22,9 @@ layers=2,9,16 max_new=192
 timeout "$DATA_S" python3 -P - "$target" "$out/data" "$corpus" "$layers" "$max_new" "$NP" "$NGL" "$THREADS" <<'PY' || true
 from dflash_local import _native  # noqa: F401  (first: see above)
 import sys, time
-from dflash_local.corpus import training_prompts
-from dflash_local.placement import Placement
-from dflash_local.traindata import make_data
+from dflash_local.train.corpus import training_prompts
+from dflash_local.engine.placement import Placement
+from dflash_local.train.data import make_data
 
 target, folder, corpus, layers, max_new, n_parallel, ngl, threads = sys.argv[1:]
 t0, made = time.perf_counter(), [0]
@@ -41,7 +41,7 @@ make_data(target, folder, [int(x) for x in layers.split(",")], prompts[:n], n, i
 PY
 n=$(python3 -P -c "
 import sys, pathlib
-from dflash_local.traindata import sample_path
+from dflash_local.train.data import sample_path
 n = 0
 while sample_path(pathlib.Path(sys.argv[1]), n).exists():
     n += 1
