@@ -64,13 +64,15 @@ def test_reasoning_flags_become_template_variables():
         {"enable_thinking": True, "x": 1}
 
 
-def test_a_peer_that_crashes_is_a_row_and_the_bench_goes_on(tiny_engine, monkeypatch):
+def test_a_peer_that_crashes_is_a_row_and_the_bench_goes_on(tiny_target, tiny_drafter, monkeypatch):
     from dflash_local import bench
+
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024)  # the bench sets its engine's draft policy per row
 
     # the peer process dies as llama.cpp's AMX matmul kills it on Intel CPUs with AMX
     monkeypatch.setattr(bench, "PEER_CHILD", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
                                                                     "signal.SIGSEGV)"])
-    result = bench.run_bench(tiny_engine, [{"prompt": "Hello world"}, {"prompt": "def f(x):"}], 12, log=lambda m: None)
+    result = bench.run_bench(engine, [{"prompt": "Hello world"}, {"prompt": "def f(x):"}], 12, log=lambda m: None)
     o = result["overall"]
     assert o["lossless"] and o["prompt_lookup_errors"] == 2 and o["prompt_lookup_tokens_per_second"] is None
     assert all(r["prompt_lookup_error"] == "crashed (SIGSEGV)" for r in result["rows"])
