@@ -3,8 +3,10 @@ plain decoding under each, greedy and seeded, on the tiny target with scripted d
 drafter."""
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 
 import jsonschema
 import numpy as np
@@ -173,7 +175,9 @@ def test_generate_json_schema_on_gemma_validates_and_equals_no_draft(tmp_path):
     schema.write_text(json.dumps(PERSON))
     outs = []
     for extra in (["-j", json.dumps(PERSON)], ["-jf", str(schema), "--no-draft"]):
-        r = subprocess.run([shutil.which("dflash-local"), "generate", "-p", "Describe Ada as JSON:", "-n", "96",
+        # the venv's own command, found also when its bin/ is not on PATH
+        cli = shutil.which("dflash-local", path=os.path.dirname(sys.executable)) or "dflash-local"
+        r = subprocess.run([cli, "generate", "-p", "Describe Ada as JSON:", "-n", "96",
                             "--json", *extra], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         outs.append(json.loads(r.stdout))
