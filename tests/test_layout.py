@@ -84,3 +84,15 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
     found = list(imports("dflash_local.engine.bad", engine / "bad.py"))
     assert found == ["dflash_local.server.app"]
     assert LAYER[unit(found[0])] > LAYER[unit("dflash_local.engine.bad")]
+
+
+def test_no_symlink_or_build_output_is_tracked():
+    """A clone is the project alone: a tracked symlink (a worktree's `.wheels -> /elsewhere/.wheels`) makes setup.sh
+    fail on a fresh machine, as it once did in CI."""
+    import subprocess
+    listed = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in listed.splitlines() if line.startswith("120000 ")]
+    assert links == []
+    outputs = (".wheels", ".venv", ".venv-test", ".llama-server", "build")
+    tracked = [line.split("\t", 1)[1] for line in listed.splitlines()]
+    assert [p for p in tracked if p.split("/", 1)[0] in outputs] == []
