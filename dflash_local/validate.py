@@ -24,7 +24,7 @@ class DraftSpec:
 
     def longest_draft(self, block_size: int) -> int:
         """The longest draft of a block of block_size slots: its mask slots, and its anchor slot too when the
-        drafter is anchor-first (DSpark). The one copy of this rule on the Python side (native/dflash.cpp keeps its
+        drafter is anchor-first (DSpark). The one copy of this rule on the Python side (native/session.h keeps its
         own to bound the drafts it is asked for)."""
         return block_size if self.anchor_first else block_size - 1
 

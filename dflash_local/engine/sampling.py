@@ -1,4 +1,4 @@
-"""Sampling parameters and controls. The sampling itself runs natively (native/dflash.cpp, Sampler) inside each step.
+"""Sampling parameters and controls. The sampling itself runs natively (native/sampler.cpp, Sampler) inside each step.
 
 Lossless sampling: verification samples the target's own distribution at each block position and accepts a draft
 token only if it equals that sample. Generated token k always uses the uniform number hash(seed, k), so with the

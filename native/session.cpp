@@ -1,0 +1,1007 @@
+// Session: creating the target and drafter contexts, prefill, draft, the verify step and its rollback, feature
+// capture (layer API or eval callback) and deferred injection into the drafter, and the LM head on demand.
+
+#include "session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+// KV cache types as llama.cpp's common/arg.cpp offers them, by ggml's names.
+ggml_type cache_type(const std::string & name) {
+    for (ggml_type t : {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
+                        GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1}) {
+        if (name == ggml_type_name(t)) {
+            return t;
+        }
+    }
+    throw std::invalid_argument("unknown KV cache type '" + name + "'");
+}
+
+// opt.n_rs_seq: recurrent-state snapshots kept for rolling back drafts (-1: the longest draft of the drafter);
+// only architectures whose llama.cpp supports them keep any, the others roll back by checkpoint and replay.
+Session::Session(Model & target, Model * drafter, std::vector<int> layers, const ContextOptions & opt,
+                 bool use_layer_api, bool verbose)
+    : tgt(target), dft(drafter), layers(std::move(layers)), layer_api(use_layer_api), verbose(verbose) {
+    LogScope log(verbose);
+    check_arguments(opt);
+    try {
+        create_contexts(opt, opt.n_rs_seq < 0 ? max_draft : opt.n_rs_seq);
+    } catch (...) {
+        free_all();  // the destructor does not run for a constructor that throws
+        throw;
+    }
+}
+
+Session::~Session() {
+    LogScope log(verbose);
+    free_all();
+}
+
+// llama.cpp's memory report for one context ("target" or "drafter"): bytes of weights, KV cache and compute
+// buffers per buffer type (CPU, CUDA0, ...). The drafter's includes its own weights, not the target's it borrows.
+std::vector<std::tuple<std::string, size_t, size_t, size_t>> Session::memory(const std::string & which) const {
+    const llama_context * ctx = which == "target" ? ctx_tgt : which == "drafter" ? ctx_dft : nullptr;
+    if (which != "target" && which != "drafter") {
+        throw std::invalid_argument("memory of 'target' or 'drafter', not '" + which + "'");
+    }
+    std::vector<std::tuple<std::string, size_t, size_t, size_t>> out;
+    if (ctx) {
+        for (auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+            out.emplace_back(ggml_backend_buft_name(buft), mb.model, mb.context, mb.compute);
+        }
+    }
+    return out;
+}
+
+// Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
+// A recurrent state cannot be cut anywhere: a recurrent target goes back to 0 or to its checkpoint only.
+void Session::truncate(int n) {
+    if (n < 0 || n > past) {
+        throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " + std::to_string(past) +
+                                " cached tokens");
+    }
+    if (recurrent && n != 0 && n != past && n != prompt_ckpt_pos) {
+        throw std::invalid_argument("the recurrent target can go back to position 0 or " +
+                                    std::to_string(prompt_ckpt_pos) + " (its checkpoint), not " +
+                                    std::to_string(n));
+    }
+    LogScope log(verbose);
+    if (!keep(n)) {
+        fail("the KV cache could not drop the positions from " + std::to_string(n) +
+             " on; both caches were emptied");
+    }
+}
+
+// Decode tokens after the cached ones, feed their features to the drafter and sample the next token
+// (generated token number `index`); without a sampler (a prompt chunk before the last), sample nothing: -1.
+llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index) {
+    if (tokens.empty()) {
+        throw std::invalid_argument("prefill needs at least one token");
+    }
+    if (past + (int) tokens.size() >= n_ctx) {
+        throw std::length_error("prompt does not fit in the context");
+    }
+    check_tokens(tokens);
+    return transaction([&] {
+        for (size_t off = 0; off < tokens.size(); off += n_batch) {
+            const size_t n = std::min<size_t>(n_batch, tokens.size() - off);
+            const bool last_chunk = off + n == tokens.size();
+            decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
+            if (ctx_dft && capture) {
+                defer(past, (int) n);
+            }
+            past += (int) n;
+        }
+        if (!s) {
+            return LLAMA_TOKEN_NULL;
+        }
+        return s->next(logits_row(ctx_tgt, -1, "target"), index, cand);
+    });
+}
+
+// Save the target's recurrent state at the current position: truncate() can come back to it later (one
+// checkpoint, replacing the previous one). A no-op for targets without recurrent memory.
+void Session::checkpoint() {
+    if (!recurrent) {
+        return;
+    }
+    LogScope log(verbose);
+    save_state(prompt_ckpt);
+    prompt_ckpt_pos = past;
+}
+
+// The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
+// caches), at most a block.
+// With a sampler (rejection sampling) each draft token is drawn from the drafter's distribution at the
+// sampler's temperature instead of taken as its argmax, with the uniform of generated token index + i at draft
+// position i; the distributions are kept for step(..., rejection = true).
+Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index) {
+    if (!ctx_dft) {
+        throw std::logic_error("this session has no llama.cpp drafter");
+    }
+    if (sampler && sampler->sampling().temperature <= 0.0f) {
+        throw std::invalid_argument("sampled drafts need a temperature > 0");
+    }
+    if (sampler && top_k > 0) {
+        throw std::invalid_argument("rejection sampling needs the drafter's distributions: a DFlash2 drafter "
+                                    "drafts from its selector lattice");
+    }
+    if (sampler && dspark) {
+        throw std::invalid_argument("rejection sampling needs the drafter's distributions: a DSpark drafter "
+                                    "chains its Markov head on greedy drafts");
+    }
+    check_tokens({last});
+    return transaction([&] {
+        Draft d;
+        q_tokens.clear();
+        if (n_draft > 0) {
+            flush();
+            draft_block(last, std::min(n_draft, max_draft), with_probs, sampler, index, d);
+        }
+        return d;
+    });
+}
+
+// One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
+// not yet in the caches.
+// The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
+// rejection: verify by rejection sampling against the distributions of this session's last sampled draft
+// (draft() with a sampler), which `draft` must be (a prefix of). head_rows: the verify rows the caller expects
+// to read (its expected accepted drafts + 1), the first batch of the LM head where it runs on demand.
+StepResult Session::step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
+                         bool rejection, int head_rows) {
+    check_tokens({last});
+    head_first = std::max(head_rows, 1);
+    check_tokens(draft);
+    if (past + 1 > n_ctx) {
+        throw std::length_error("context is full");
+    }
+    if (rejection) {
+        if (s.has_grammar() || s.sampling().temperature <= 0.0f) {
+            throw std::invalid_argument("rejection sampling needs a temperature > 0 and no grammar");
+        }
+        if (draft.size() > q_tokens.size() || !std::equal(draft.begin(), draft.end(), q_tokens.begin())) {
+            throw std::invalid_argument("rejection sampling verifies the draft this session last sampled");
+        }
+    }
+    StepResult r = transaction([&] { return step_unchecked(last, draft, s, index, rejection); });
+    q_tokens.clear();  // its distributions are spent
+    return r;
+}
+
+// Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
+py::array_t<float> Session::logits(int row) {
+    if (row < -n_out || row >= n_out) {
+        throw std::out_of_range("row " + std::to_string(row) + " outside the " + std::to_string(n_out) +
+                                " output rows of the last target decode");
+    }
+    LogScope log(verbose);
+    const int n_vocab = tgt.n_vocab();
+    const float * src = target_row(row);
+    py::array_t<float> out(n_vocab);
+    std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
+    return out;
+}
+
+// Logits of the drafter's last noise block at its draft positions: [n, n_vocab] (DFlash2: after its logit
+// scale and soft-capping, which the selector reads).
+py::array_t<float> Session::draft_logits() const {
+    const size_t n_vocab = tgt.n_vocab();
+    const size_t n = draft_rows.size() / n_vocab;
+    py::array_t<float> out({n, n_vocab});
+    std::memcpy(out.mutable_data(), draft_rows.data(), draft_rows.size() * sizeof(float));
+    return out;
+}
+
+// DFlash2: the selector lattice of the drafter's last noise block at its draft positions (kept with the logits):
+// [n, top_k * (top_k + 1)], each row the top_k candidate ids then the top_k x top_k scores (see walk_lattice).
+py::array_t<float> Session::draft_lattice() const {
+    const size_t w = (size_t) top_k * (top_k + 1);
+    py::array_t<float> out({w ? lattice_rows.size() / w : 0, w});
+    std::memcpy(out.mutable_data(), lattice_rows.data(), lattice_rows.size() * sizeof(float));
+    return out;
+}
+
+// Training data (traindata.py): one target batch of rows from several independent sequences (a token, its
+// position and its sequence each), logits on every row. Returns each row's top_k tokens by logit, best first, and
+// their log-probabilities; features() then holds the rows' features. The cache bookkeeping is the caller's:
+// n_past is left alone (a session is used either this way or for generation, never both).
+std::pair<py::array_t<int32_t>, py::array_t<float>> Session::decode_rows(const std::vector<llama_token> & tokens,
+                                                                       const std::vector<int> & pos,
+                                                                       const std::vector<int> & seq, int top_k) {
+    const int n = (int) tokens.size();
+    if (n == 0 || n > n_batch || (int) pos.size() != n || (int) seq.size() != n) {
+        throw std::invalid_argument("decode_rows needs 1.." + std::to_string(n_batch) +
+                                    " rows with a position and a sequence each");
+    }
+    const int n_vocab = tgt.n_vocab();
+    if (top_k < 1 || top_k > n_vocab) {
+        throw std::invalid_argument("top_k must be 1.." + std::to_string(n_vocab));
+    }
+    const int n_seq = (int) llama_n_seq_max(ctx_tgt);
+    for (int i = 0; i < n; ++i) {
+        if (seq[i] < 0 || seq[i] >= n_seq || pos[i] < 0 || pos[i] >= n_ctx) {
+            throw std::out_of_range("row " + std::to_string(i) + ": sequence " + std::to_string(seq[i]) +
+                                    " position " + std::to_string(pos[i]) + " outside " +
+                                    std::to_string(n_seq) + " sequences in a context of " + std::to_string(n_ctx));
+        }
+    }
+    check_tokens(tokens);
+    LogScope log(verbose);
+    llama_batch_ext_clear(batch_tgt);
+    for (int i = 0; i < n; ++i) {
+        add_token(batch_tgt, tokens[i], pos[i], true, seq[i]);
+    }
+    run_target(n, n);
+    std::vector<int32_t> ids((size_t) n * top_k);
+    std::vector<float> logprobs((size_t) n * top_k);
+    std::vector<const float *> rows(n);
+    for (int i = 0; i < n; ++i) {
+        rows[i] = logits_row(ctx_tgt, i, "target");  // may throw: here, not in a worker
+    }
+    auto rank_rows = [&](int i0, int i1) {
+        std::vector<std::pair<float, llama_token>> best;
+        for (int i = i0; i < i1; ++i) {
+            const float * row = rows[i];
+            // the top_k by a running threshold: one pass over the vocabulary, as cheap as an argmax for small k
+            best.clear();
+            float lmax = row[0];
+            for (int t = 0; t < n_vocab; ++t) {
+                lmax = std::max(lmax, row[t]);
+                if ((int) best.size() < top_k || row[t] > best.front().first) {
+                    best.emplace_back(row[t], -t);  // -t: among equal logits the lower id ranks first
+                    std::push_heap(best.begin(), best.end(), std::greater<>());
+                    if ((int) best.size() > top_k) {
+                        std::pop_heap(best.begin(), best.end(), std::greater<>());
+                        best.pop_back();
+                    }
+                }
+            }
+            float z = 0.0f;
+            for (int t = 0; t < n_vocab; ++t) {
+                z += exp_approx(std::max(row[t] - lmax, -87.0f));
+            }
+            const float lse = lmax + std::log(z);
+            std::sort(best.begin(), best.end(), std::greater<>());
+            for (int j = 0; j < top_k; ++j) {
+                ids[(size_t) i * top_k + j] = -best[j].second;
+                logprobs[(size_t) i * top_k + j] = best[j].first - lse;
+            }
+        }
+    };
+    // rows are independent; with the target on a GPU this ranking is most of the CPU's work per batch, so it is
+    // spread over the batch threads (each row's result does not depend on the split)
+    const int n_workers = std::max(1, std::min(n / 8, (int) llama_n_threads_batch(ctx_tgt)));
+    std::vector<std::thread> workers;
+    for (int w = 1; w < n_workers; ++w) {
+        workers.emplace_back(rank_rows, n * w / n_workers, n * (w + 1) / n_workers);
+    }
+    rank_rows(0, n / n_workers);
+    for (auto & t : workers) {
+        t.join();
+    }
+    py::gil_scoped_acquire gil;  // the call runs without the GIL; numpy arrays need it
+    py::array_t<int32_t> ids_out({n, top_k});
+    py::array_t<float> lp_out({n, top_k});
+    std::memcpy(ids_out.mutable_data(), ids.data(), ids.size() * sizeof(int32_t));
+    std::memcpy(lp_out.mutable_data(), logprobs.data(), logprobs.size() * sizeof(float));
+    return {ids_out, lp_out};
+}
+
+// Forget every position of one sequence of decode_rows.
+void Session::drop_sequence(int seq) {
+    if (seq < 0 || seq >= (int) llama_n_seq_max(ctx_tgt)) {
+        throw std::out_of_range("no sequence " + std::to_string(seq));
+    }
+    LogScope log(verbose);
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_tgt), seq, -1, -1)) {
+        fail("the KV cache could not drop sequence " + std::to_string(seq));
+    }
+}
+
+// Target features of the rows of the last target decode: [rows, n_layers * n_embd], layers in the given order.
+// Empty after a failed call.
+py::array_t<float> Session::features() const {
+    const size_t width = layers.size() * (size_t) n_embd;
+    py::array_t<float> out({(size_t) feat_rows, width});
+    std::memcpy(out.mutable_data(), feats.data(), (size_t) feat_rows * width * sizeof(float));
+    return out;
+}
+
+// Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output).
+const float * Session::target_row(int i) {
+    if (hidden_rows == 0) {
+        return logits_row(ctx_tgt, i, "target");
+    }
+    i = i < 0 ? i + hidden_rows : i;  // on demand, every row is an output
+    if (i < 0 || i >= hidden_rows) {
+        fail("no target logits for output row " + std::to_string(i));
+    }
+    if (i >= head_done) {
+        // rows are read in order: first the head_first rows the step's caller expects to read, then as many
+        // more as have been read (doubling): a call costs a few ms beyond its rows (docs/measurements.md), so a
+        // batch whose drafts are accepted pays a few calls, and one rejected early one or two rows
+        const int end = std::min(hidden_rows, std::max(i + 1, head_done ? 2 * head_done : head_first));
+        compute_head(head_done, end);
+        head_done = end;
+    }
+    return &head_logits[(size_t) i * tgt.n_vocab()];
+}
+
+void Session::compute_head(int i0, int i1) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int n_vocab = tgt.n_vocab();
+    const int r = i1 - i0;
+    if (!head_cpu) {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        head_cpu = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+        if (!head_cpu) {
+            fail("could not start a CPU backend for the LM head");
+        }
+        head_set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
+    }
+    if (head_set_threads) {
+        head_set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+    }
+    ggml_init_params ip = {ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false), nullptr, true};
+    ggml_context * g = ggml_init(ip);
+    if (!g) {
+        fail("could not allocate the LM head's graph");
+    }
+    ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, n_embd, r);
+    x->data = &hidden[(size_t) i0 * n_embd];
+    ggml_tensor * y = ggml_mul_mat(g, head_w, x);
+    y->data = &head_logits[(size_t) i0 * n_vocab];
+    ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
+    ggml_build_forward_expand(gf, y);
+    const ggml_status st = ggml_backend_graph_compute(head_cpu, gf);
+    ggml_free(g);
+    if (st != GGML_STATUS_SUCCESS) {
+        fail("the LM head failed (ggml status " + std::to_string((int) st) + ")");
+    }
+    head_ms += ms_since(t0);
+}
+
+// Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
+void Session::check_arguments(const ContextOptions & o) {
+    if (o.n_rs_seq > o.n_batch) {  // a snapshot per token of one decode at most
+        throw std::invalid_argument("n_rs_seq must be at most n_batch (" + std::to_string(o.n_batch) + "), got " +
+                                    std::to_string(o.n_rs_seq));
+    }
+    if (o.n_ctx != 0 && o.n_ctx < 2) {
+        throw std::invalid_argument("n_ctx must be 0 (the model's) or at least 2, got " + std::to_string(o.n_ctx));
+    }
+    if (o.n_seq < 1 || o.n_seq > max_seq || (o.n_seq > 1 && dft)) {
+        throw std::invalid_argument("n_seq must be 1.." + std::to_string(max_seq) +
+                                    ", and 1 with a drafter, got " + std::to_string(o.n_seq));
+    }
+    if (o.n_threads < 1 || o.n_threads_batch < 1) {
+        throw std::invalid_argument("thread counts must be at least 1");
+    }
+    if (o.n_batch < 1 || o.n_ubatch < 1 || o.n_ubatch > o.n_batch) {
+        throw std::invalid_argument("need 1 <= n_ubatch <= n_batch, got n_batch " + std::to_string(o.n_batch) +
+                                    ", n_ubatch " + std::to_string(o.n_ubatch));
+    }
+    if (o.flash_attn < LLAMA_FLASH_ATTN_TYPE_AUTO || o.flash_attn > LLAMA_FLASH_ATTN_TYPE_ENABLED) {
+        throw std::invalid_argument("flash_attn must be -1 (auto), 0 (off) or 1 (on)");
+    }
+    // llama.cpp refuses these with a log line and no context; say why instead
+    if (o.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED &&
+        (ggml_is_quantized(o.type_v) || (dft && ggml_is_quantized(o.type_v_draft)))) {
+        throw std::invalid_argument("a quantized V cache needs flash attention (flash_attn on or auto)");
+    }
+    recurrent = llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model);
+    n_embd = llama_model_n_embd(tgt.model);
+    const int n_layer = llama_model_n_layer(tgt.model);
+    for (size_t k = 0; k < layers.size(); ++k) {
+        const int lid = layers[k];
+        if (lid < 1 || lid >= n_layer) {
+            throw std::invalid_argument("feature layer " + std::to_string(lid) + " is outside the target's 1.." +
+                                        std::to_string(n_layer - 1));
+        }
+        if (std::find(layers.begin(), layers.begin() + k, lid) != layers.begin() + k) {
+            throw std::invalid_argument("feature layer " + std::to_string(lid) + " is listed twice");
+        }
+    }
+    if (layer_api && !arch_records_layer_inputs(tgt.arch())) {
+        throw std::invalid_argument("architecture '" + tgt.arch() + "' does not record layer inputs");
+    }
+    if (!dft) {
+        return;
+    }
+    if (layers.empty()) {
+        throw std::invalid_argument("a drafter needs target feature layers");
+    }
+    if (dft->arch() != "dflash") {
+        throw std::invalid_argument("the drafter's architecture is '" + dft->arch() + "', not 'dflash'");
+    }
+    // the drafter's logits rows are read with the target's vocabulary size
+    if (dft->n_vocab() != tgt.n_vocab()) {
+        throw std::invalid_argument("the drafter's vocabulary has " + std::to_string(dft->n_vocab()) +
+                                    " tokens, the target's " + std::to_string(tgt.n_vocab()));
+    }
+    mask_token = llama_vocab_mask(dft->vocab);
+    if (mask_token < 0 || mask_token >= tgt.n_vocab()) {
+        throw std::invalid_argument("the drafter has no valid mask token (tokenizer.ggml.mask_token_id)");
+    }
+    const std::string bs = dft->meta("dflash.block_size");
+    block_size = bs.empty() ? 16 : std::atoi(bs.c_str());
+    // a noise block is one batch, and a non-causal one must fit in one ubatch
+    if (block_size < 2 || block_size > max_block) {
+        throw std::invalid_argument("the drafter's block size '" + bs + "' is outside 2.." +
+                                    std::to_string(max_block));
+    }
+    top_k = std::max(0, llama_model_dflash_selector_top_k(dft->model));
+    dspark = dft->has_tensor("markov_w1.weight");
+    dspark_conf = dspark && dft->has_tensor("conf_proj.weight");
+    // as llama.cpp's graph reads it: absent means anchor-first
+    anchor_first = dspark && dft->meta("dflash.sample_from_anchor") != "false";
+    max_draft = anchor_first ? block_size : block_size - 1;
+}
+
+void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
+    llama_context_params cp = context_params(o, o.n_ctx, o.n_batch, o.n_ubatch);
+    cp.type_k = o.type_k;
+    cp.type_v = o.type_v;
+    // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
+    cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
+    // Sequences share one unified cache: with a stream per sequence llama.cpp regroups a batch's rows by
+    // sequence, and the eval callback needs them in batch order.
+    cp.n_seq_max = (uint32_t) o.n_seq;
+    cp.kv_unified = o.n_seq > 1;
+    // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
+    // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
+    // CPU computes on the CPU.
+    cp.op_offload = tgt.params.n_gpu_layers != 0;
+    if ((!layers.empty() && !layer_api) || tgt.params.n_gpu_layers == 0) {  // features, or the LM head on demand
+        cp.cb_eval           = eval_cb;
+        cp.cb_eval_user_data = this;
+    }
+    ctx_tgt = llama_init_from_model(tgt.model, cp);
+    if (!ctx_tgt) {
+        fail("failed to create the target context");
+    }
+    n_ctx = (int) llama_n_ctx(ctx_tgt);
+    n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
+    n_rs = (int) llama_n_rs_seq(ctx_tgt);
+    // llama.cpp keeps a decode's last n_rs + 1 tokens in one ubatch for its snapshots, and aborts the process
+    // when a ubatch cannot hold them
+    if (n_rs > 0 && (int) llama_n_ubatch(ctx_tgt) < n_rs + 2) {
+        throw std::invalid_argument("with " + std::to_string(n_rs) + " recurrent-state snapshots (n_rs_seq) the "
+                                    "ubatch must hold at least " + std::to_string(n_rs + 2) + " tokens, not " +
+                                    std::to_string(llama_n_ubatch(ctx_tgt)));
+    }
+    batch_tgt = new_batch(ctx_tgt);
+    if (layer_api) {
+        for (int lid : layers) {
+            llama_set_embeddings_layer_inp(ctx_tgt, (uint32_t) lid, true);
+        }
+    }
+    if (!dft) {
+        return;
+    }
+    // The noise block reaches past the target's last position. The drafter attends non-causally, and llama.cpp
+    // then needs every batch in one ubatch: the drafter's batch and ubatch are equal and hold a whole target
+    // batch's features or a noise block.
+    const int n_dft_batch = std::max(n_batch, block_size);
+    llama_context_params dp = context_params(o, n_ctx + block_size, n_dft_batch, n_dft_batch);
+    dp.ctx_other = ctx_tgt;
+    dp.type_k = o.type_k_draft;
+    dp.type_v = o.type_v_draft;
+    ctx_dft = llama_init_from_model(dft->model, dp);
+    if (!ctx_dft) {
+        fail("failed to create the drafter context");
+    }
+    if ((int) llama_n_ubatch(ctx_dft) < n_dft_batch) {
+        fail("the drafter context's batch is too small");
+    }
+    batch_dft = new_batch(ctx_dft);
+    llama_set_causal_attn(ctx_dft, dft->meta("dflash.attention.causal") == "true");
+    if (top_k > 0 || dspark_conf) {
+        // one lattice (DFlash2) or confidence (DSpark) row per block token, whether or not the token is a logits
+        // output (unmasked)
+        llama_set_embeddings_nextn(ctx_dft, true, false);
+    }
+}
+
+llama_context_params Session::context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx           = n_ctx;
+    cp.n_batch         = n_batch;
+    cp.n_ubatch        = n_ubatch;
+    cp.n_threads       = o.n_threads;
+    cp.n_threads_batch = o.n_threads_batch;
+    cp.no_perf         = true;
+    // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
+    cp.flash_attn_type = (llama_flash_attn_type) o.flash_attn;
+    // Rollback relies on it (gemma3 and SWA drafters): a sliding-window cache of only the window (swa_full off)
+    // evicts the positions that fell out of the window of a verify batch's last token, and after rejected
+    // tokens are dropped the next token's window needs some of them again. (llama.cpp's default, pinned.)
+    cp.swa_full        = true;
+    return cp;
+}
+
+void Session::free_all() {
+    if (head_cpu) ggml_backend_free(head_cpu);
+    head_cpu = nullptr;
+    if (batch_dft) llama_batch_ext_free(batch_dft);
+    if (ctx_dft) llama_free(ctx_dft);
+    if (batch_tgt) llama_batch_ext_free(batch_tgt);
+    if (ctx_tgt) llama_free(ctx_tgt);
+    batch_dft = batch_tgt = nullptr;
+    ctx_dft = ctx_tgt = nullptr;
+}
+
+// Run a call that changes the caches; if it throws, put the caches back as they were at its start.
+template <class F> auto Session::transaction(F && f) -> decltype(f()) {
+    LogScope log(verbose);
+    const int p0 = past;
+    try {
+        return f();
+    } catch (...) {
+        // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact; a
+        // recurrent state may have moved past p0 with past unchanged, and is emptied
+        feat_rows = 0;
+        n_out = 0;
+        collecting = false;
+        draft_rows.clear();
+        q_tokens.clear();
+        lattice_rows.clear();
+        keep(recurrent ? 0 : p0);
+        throw;
+    }
+}
+
+// Make both caches hold the positions [0, n) only. If llama.cpp refuses to drop part of a sequence, empty both
+// and return false. A recurrent target's state is only known at past and at its checkpoint: elsewhere (a failed
+// call going back to its start, after decoding) it is emptied too.
+bool Session::keep(int n) {
+    bool ok = true;
+    if (recurrent && n != past && n != 0) {
+        ok = n == prompt_ckpt_pos && restore_state(prompt_ckpt);
+    }
+    ok = ok && llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+    if (ctx_dft) {
+        ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
+    }
+    past = n;
+    if (!ok) {
+        llama_memory_clear(llama_get_memory(ctx_tgt), false);
+        if (ctx_dft) {
+            llama_memory_clear(llama_get_memory(ctx_dft), false);
+        }
+        past = 0;
+    }
+    // deferred features of dropped positions go with them
+    dft_past = std::min(dft_past, past);
+    n_pending = std::clamp(past - dft_past, 0, n_pending);
+    if (prompt_ckpt_pos > past) {
+        prompt_ckpt_pos = -1;
+        prompt_ckpt.clear();
+    }
+    return ok;
+}
+
+// The target's recurrent state (not its attention KV cache, which drops positions by itself).
+void Session::save_state(std::vector<uint8_t> & buf) {
+    buf.resize(llama_state_seq_get_size_ext(ctx_tgt, 0, partial));
+    if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) != buf.size()) {
+        fail("could not save the target's recurrent state");
+    }
+}
+
+bool Session::restore_state(const std::vector<uint8_t> & buf) {
+    return !buf.empty() && llama_state_seq_set_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) == buf.size();
+}
+
+void Session::drop_from(llama_context * ctx, llama_pos p0, const char * which) {
+    if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, p0, -1)) {
+        fail(std::string("the ") + which + " KV cache could not drop the positions from " + std::to_string(p0) +
+             " on");
+    }
+}
+
+void Session::check_tokens(const std::vector<llama_token> & toks) const {
+    const int n_vocab = tgt.n_vocab();
+    for (llama_token t : toks) {
+        if (t < 0 || t >= n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(t) + " outside the vocabulary (0.." +
+                                    std::to_string(n_vocab - 1) + ")");
+        }
+    }
+}
+
+void Session::add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq) {
+    const int32_t idx = llama_batch_ext_add_token(b, seq, t);
+    if (idx < 0 || !llama_batch_ext_set_pos(b, idx, &pos) || !llama_batch_ext_set_output_logits(b, idx, logits)) {
+        fail("could not add token " + std::to_string(t) + " at position " + std::to_string(pos) +
+             " to a batch (code " + std::to_string(idx) + ")");
+    }
+}
+
+StepResult Session::step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
+                                   uint64_t index, bool rejection) {
+    const auto t_step = std::chrono::steady_clock::now();
+    StepResult r;
+    // never verify past the end of the context or the batch
+    const int room = std::min(n_ctx - past - 1, n_batch - 1);
+    r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
+    r.draft.resize(s.grammar_prefix(r.draft));  // a draft token the grammar refuses could never be accepted
+
+    std::vector<llama_token> block;
+    block.reserve(r.draft.size() + 1);
+    block.push_back(last);
+    block.insert(block.end(), r.draft.begin(), r.draft.end());
+
+    // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more, so keep a checkpoint
+    const bool ckpt = recurrent && (int) r.draft.size() > n_rs;
+    if (ckpt) {
+        const auto t0 = std::chrono::steady_clock::now();
+        save_state(step_ckpt);
+        r.rollback_ms += ms_since(t0);
+    }
+
+    const auto t1 = std::chrono::steady_clock::now();
+    // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split
+    decode_target(block.data(), (int) block.size(), past, r.draft.empty() ? LogitsAll : LogitsOnDemand);
+    r.verify_ms = ms_since(t1);
+    head_ms = 0.0;
+
+    // accept while the target's own choice equals the draft (or, rejection sampling, while it keeps the draft
+    // token); the first disagreement is the target's token
+    const auto t_sample = std::chrono::steady_clock::now();
+    const size_t n_vocab = tgt.n_vocab();
+    int a = 0;
+    for (;; ++a) {
+        const float * row = target_row(a);
+        const llama_token t = rejection && a < (int) r.draft.size()
+                                  ? s.judge(row, r.draft[a], &q_rows[a * n_vocab], index + a)
+                                  : s.next(row, index + a, cand);
+        r.tokens.push_back(t);
+        if (a == (int) r.draft.size() || t != r.draft[a]) {
+            break;
+        }
+    }
+    r.n_accepted = a;
+    r.head_ms    = head_ms;  // the rows' LM head ran inside the loop: target compute, not sampling
+    r.head_rows  = head_done;
+    r.sample_ms  = ms_since(t_sample) - head_ms;
+    r.verify_ms += head_ms;
+
+    const int p0 = past;
+    const int n_drop = (int) block.size() - (a + 1);
+    if (n_drop > 0) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!recurrent) {
+            drop_from(ctx_tgt, p0 + a + 1, "target");
+            r.rollback = "kv";
+        } else if (n_drop <= n_rs) {
+            // exact: within the last decode, and the anchor is always kept (see DESIGN, facts added later)
+            drop_from(ctx_tgt, p0 + a + 1, "target");
+            r.rollback = "snapshot";
+        } else {
+            if (!restore_state(step_ckpt)) {
+                fail("could not restore the target's recurrent checkpoint");
+            }
+            drop_from(ctx_tgt, p0, "target");
+            replay(block.data(), a + 1, p0);
+            r.rollback = "checkpoint";
+        }
+        r.rollback_ms += ms_since(t0);
+    }
+    if (ctx_dft && capture) {
+        const auto t2 = std::chrono::steady_clock::now();
+        defer(p0, a + 1);
+        r.draft_ms += ms_since(t2);
+    }
+    past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
+    r.step_ms = ms_since(t_step);
+    return r;
+}
+
+void Session::decode_target(const llama_token * toks, int n, int pos0, Logits logits) {
+    llama_batch_ext_clear(batch_tgt);
+    const bool all = logits == LogitsAll || logits == LogitsOnDemand;
+    for (int i = 0; i < n; ++i) {
+        add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1));
+    }
+    run_target(n, all ? n : logits == LogitsLast ? 1 : 0, logits == LogitsOnDemand);
+}
+
+// Decode the n rows in batch_tgt (n_outputs of them with logits) and collect their features; on_demand: every
+// row is an output, and its LM head waits for target_row() where head_w allows.
+void Session::run_target(int n, int n_outputs, bool on_demand) {
+    const size_t width = layers.size() * (size_t) n_embd;
+    lazy = on_demand && head_on_demand && head_w;
+    probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
+    probe_prev = probe_w = nullptr;
+    probe_tail = 0;
+    hidden_rows = head_done = norm_seen = 0;
+    if (lazy) {
+        hidden.resize((size_t) n * n_embd);
+        head_logits.resize((size_t) n * tgt.n_vocab());
+    }
+    feats.resize((size_t) n * width);
+    feat_rows = n;
+    rows_seen.assign(layers.size(), 0);
+    if (!layer_api) {
+        cb_rows.resize((size_t) n * n_embd);
+    }
+    n_out = 0;
+    collecting = true;
+    process(ctx_tgt, batch_tgt, "target decode");
+    n_out = n_outputs;
+    llama_synchronize(ctx_tgt);
+    collecting = false;
+    if (probing) {
+        head_probed = true;
+        probing = false;
+        const bool plain_head = probe_w && probe_tail == 0 && probe_w->buffer &&
+                                ggml_backend_buffer_is_host(probe_w->buffer) && probe_w->ne[0] == n_embd &&
+                                probe_w->ne[1] == tgt.n_vocab();
+        head_w = plain_head ? probe_w : nullptr;
+    }
+    if (lazy) {
+        if (norm_seen != n) {
+            fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
+        }
+        hidden_rows = n;
+    }
+    if (!capture || layers.empty()) {
+        feat_rows = 0;
+    } else if (layer_api) {
+        for (size_t k = 0; k < layers.size(); ++k) {
+            const float * src = llama_get_embeddings_layer_inp(ctx_tgt, (uint32_t) layers[k]);
+            if (!src) {
+                fail("no features for layer " + std::to_string(layers[k]));
+            }
+            for (int i = 0; i < n; ++i) {
+                std::memcpy(&feats[i * width + k * n_embd], src + (size_t) i * n_embd, n_embd * sizeof(float));
+            }
+        }
+    } else {
+        for (size_t k = 0; k < layers.size(); ++k) {
+            if (rows_seen[k] != n) {
+                fail("feature capture saw " + std::to_string(rows_seen[k]) + " of " + std::to_string(n) +
+                     " rows of layer " + std::to_string(layers[k]));
+            }
+        }
+    }
+}
+
+// Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1. It runs inside llama.cpp
+// and must not throw: a tensor it cannot use is skipped, and decode_target reports the missing rows.
+bool Session::eval_cb(ggml_tensor * t, bool ask, void * user) {
+    auto * self = (Session *) user;
+    const char * name = ggml_get_name(t);
+    if (!self->collecting) {
+        return ask ? false : true;
+    }
+    if (self->probing && ask) {  // every node is asked once, in graph order
+        // the head: the node right after the final norm, a matmul of it, and the graph's last node
+        const bool head = strcmp(name, "result_output") == 0 && t->op == GGML_OP_MUL_MAT &&
+                          t->type == GGML_TYPE_F32 && t->src[1] == self->probe_prev && t->src[1]->type ==
+                          GGML_TYPE_F32 && strcmp(ggml_get_name(t->src[1]), "result_norm") == 0;
+        self->probe_w = head ? t->src[0] : self->probe_w;
+        self->probe_tail = head ? 0 : self->probe_tail + 1;
+        self->probe_prev = t;
+    }
+    if (self->lazy && strcmp(name, "result_norm") == 0) {
+        if (ask) {
+            return true;
+        }
+        const int rows = (int) t->ne[1];
+        if (t->type == GGML_TYPE_F32 && t->ne[0] == self->n_embd && self->norm_seen + rows <= (int) (
+                self->hidden.size() / self->n_embd)) {
+            ggml_backend_tensor_get(t, &self->hidden[(size_t) self->norm_seen * self->n_embd], 0,
+                                    (size_t) rows * self->n_embd * sizeof(float));
+            self->norm_seen += rows;
+        }
+        return false;  // stop before the LM head: target_row() computes the rows it needs
+    }
+    if (self->layer_api || !self->capture || strncmp(name, "l_out-", 6) != 0) {  // layer_api: llama.cpp copies
+        return ask ? false : true;
+    }
+    const int lid = atoi(name + 6) + 1;
+    const auto it = std::find(self->layers.begin(), self->layers.end(), lid);
+    if (it == self->layers.end()) {
+        return ask ? false : true;
+    }
+    if (ask) {
+        return true;
+    }
+    const size_t k = it - self->layers.begin();
+    const int n_embd = self->n_embd;
+    const int rows = (int) t->ne[1];
+    if (t->type != GGML_TYPE_F32 || t->ne[0] != n_embd || self->rows_seen[k] + rows > self->feat_rows) {
+        return true;
+    }
+    const size_t width = self->layers.size() * (size_t) n_embd;
+    float * tmp = self->cb_rows.data();  // sized by decode_target: nothing here may allocate or throw
+    ggml_backend_tensor_get(t, tmp, 0, (size_t) rows * n_embd * sizeof(float));
+    for (int i = 0; i < rows; ++i) {
+        std::memcpy(&self->feats[(self->rows_seen[k] + i) * width + k * n_embd], &tmp[(size_t) i * n_embd],
+                    n_embd * sizeof(float));
+    }
+    self->rows_seen[k] += rows;
+    return true;
+}
+
+// Decode n tokens again at pos0.. into the target's caches after a checkpoint restore, leaving the features and
+// logits of the verify batch untouched (the replay has no outputs: logits() has no rows after it).
+void Session::replay(const llama_token * toks, int n, int pos0) {
+    llama_batch_ext_clear(batch_tgt);
+    for (int i = 0; i < n; ++i) {
+        add_token(batch_tgt, toks[i], pos0 + i, false);
+    }
+    n_out = 0;
+    hidden_rows = 0;
+    process(ctx_tgt, batch_tgt, "target replay");
+}
+
+// Keep the features of rows [0, n) of the last target decode, those of positions pos0.., for the drafter: they
+// go into its cache in one batch when it next drafts (or when a batch of them is full). Injected at every token,
+// they cost a drafter call at every plain step of the adaptive policy, which needs none of them until it drafts
+// again. The drafter's cache then holds the same K/V as with injection at every token: a feature row's K/V
+// depend on that row and its position only.
+void Session::defer(int pos0, int n) {
+    if (pos0 != dft_past + n_pending) {
+        // positions decoded without capture lie between: the drafter never sees them (as before deferral)
+        flush();
+        dft_past = pos0;
+    }
+    const size_t width = layers.size() * (size_t) n_embd;
+    const int cap = (int) llama_n_batch(ctx_dft);
+    for (int i = 0; i < n;) {
+        const int take = std::min(n - i, cap - n_pending);
+        pending.resize((size_t) (n_pending + take) * width);
+        std::memcpy(&pending[(size_t) n_pending * width], &feats[(size_t) i * width], take * width * sizeof(float));
+        n_pending += take;
+        i += take;
+        if (n_pending == cap) {
+            flush();
+        }
+    }
+}
+
+// Inject the deferred features into the drafter's cache, in one batch.
+void Session::flush() {
+    if (n_pending == 0) {
+        return;
+    }
+    inject(dft_past, pending.data(), n_pending);
+    dft_past += n_pending;
+    n_pending = 0;
+}
+
+// Write n rows of target features into the drafter's cache at positions pos0...
+void Session::inject(int pos0, const float * rows, int n) {
+    // the previous noise block left its own K/V from pos0 on
+    drop_from(ctx_dft, pos0, "drafter");
+    const size_t width = layers.size() * (size_t) n_embd;
+    llama_batch_ext_clear(batch_dft);
+    for (int i = 0; i < n; ++i) {
+        const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&rows[i * width], 1, width});
+        if (idx < 0) {
+            fail("the drafter rejected the target features (width " + std::to_string(width) + ", code " +
+                 std::to_string(idx) + ")");
+        }
+        const llama_pos pos[4] = {pos0 + i, pos0 + i, pos0 + i, 0};
+        if (!llama_batch_ext_set_pos(batch_dft, idx, pos) || !llama_batch_ext_set_output_logits(batch_dft, idx, false)) {
+            fail("could not place the target features at position " + std::to_string(pos0 + i));
+        }
+    }
+    process(ctx_dft, batch_dft, "drafter feature injection");
+}
+
+// Decode [last, mask x (n_draft - 1 + first)] at the next positions and read the draft from it, from block slot
+// `first` on: slot 1 (the first mask) for DFlash, slot 0 (the anchor's) for an anchor-first DSpark drafter.
+// DFlash takes the argmax at each slot (or, with a sampler, a draw from its distribution); DSpark's logits
+// already carry its Markov bias, chained slot after slot on the argmax by llama.cpp's graph, and its confidence
+// head's estimates come back as rows of "nextn" embeddings (each row the value repeated); DFlash2 walks its
+// selector lattice.
+void Session::draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                          Draft & d) {
+    drop_from(ctx_dft, past, "drafter");
+    llama_batch_ext_clear(batch_dft);
+    const int first = anchor_first ? 0 : 1;
+    // DFlash reads logits: every row is marked as an output, the anchor too, since the dflash graph computes
+    // logits for all rows and llama.cpp keeps the first n_outputs of them (marking fewer would shift the rows).
+    // DFlash2 reads the lattice, which has every row anyway: logits only when they are kept for inspection.
+    const bool logits = top_k == 0 || keep_draft;
+    for (int i = 0; i < n_draft + first; ++i) {
+        add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits);
+    }
+    process(ctx_dft, batch_dft, "drafter decode");
+    const int n_vocab = tgt.n_vocab();
+    draft_rows.clear();
+    lattice_rows.clear();
+    for (int i = 0; i < n_draft && keep_draft; ++i) {
+        const float * row = logits_row(ctx_dft, first + i, "drafter");
+        draft_rows.insert(draft_rows.end(), row, row + n_vocab);
+    }
+    if (top_k > 0) {
+        walk_lattice(n_draft, with_probs, d);
+        return;
+    }
+    if (dspark_conf) {
+        const float * conf = llama_get_embeddings_nextn(ctx_dft);
+        if (!conf) {
+            fail("the DSpark drafter returned no confidences");
+        }
+        const size_t width = (size_t) llama_model_n_embd(dft->model);
+        for (int i = 0; i < n_draft; ++i) {
+            d.confidence.push_back(conf[(size_t) (first + i) * width]);
+        }
+    }
+    for (int i = 0; i < n_draft; ++i) {
+        const float * row = logits_row(ctx_dft, first + i, "drafter");
+        if (sampler) {
+            const Sampling & sp = sampler->sampling();
+            q_rows.resize((size_t) (i + 1) * n_vocab);
+            float * q = &q_rows[(size_t) i * n_vocab];
+            const llama_token t = draw_tempered(row, n_vocab, sp.temperature,
+                                                uniform(second_seed(sp.seed, 1), index + i), q);
+            if (t < 0) {
+                break;  // nothing to draw from: the draft ends here, and what came before is still judged exactly
+            }
+            q_tokens.push_back(t);
+            d.tokens.push_back(t);
+            if (with_probs) {
+                d.probs.push_back(q[t]);
+            }
+            continue;
+        }
+        const llama_token t = argmax(row, n_vocab);
+        d.tokens.push_back(t);
+        if (with_probs) {
+            d.probs.push_back(top_prob(row, n_vocab, t));
+        }
+    }
+}
+
+// softmax(scores)[best]
+float Session::top_prob(const float * scores, int n, int best) {
+    double z = 0.0;
+    for (int j = 0; j < n; ++j) {
+        z += std::exp(scores[j] - scores[best]);
+    }
+    return (float) (1.0 / z);
+}
+
+// DFlash2's selector lattice, one row of the drafter's width per block token: at draft position i >= 1, the
+// top_k candidate ids (as floats), then top_k x top_k scores, scores[p * top_k + j] that of candidate j after
+// candidate p of position i - 1 (at position 1 every p reads the anchor). The draft is the greedy path: each
+// position takes its best candidate after the one the previous position took. Its probability is the
+// softmax of that score row at the choice.
+void Session::walk_lattice(int n_draft, bool with_probs, Draft & d) {
+    const float * lattice = llama_get_embeddings_nextn(ctx_dft);
+    if (!lattice) {
+        fail("the DFlash2 drafter returned no selector lattice");
+    }
+    const size_t width = (size_t) llama_model_n_embd(dft->model);
+    const int n_vocab = tgt.n_vocab();
+    int prev = 0;
+    for (int i = 1; i <= n_draft; ++i) {
+        const float * row = lattice + (size_t) i * width;
+        if (keep_draft) {
+            lattice_rows.insert(lattice_rows.end(), row, row + top_k * (top_k + 1));
+        }
+        const float * scores = row + top_k + (size_t) prev * top_k;
+        const int best = (int) (std::max_element(scores, scores + top_k) - scores);
+        const float id = row[best];
+        if (!(id >= 0.0f && id < (float) n_vocab)) {
+            fail("the DFlash2 selector lattice names token " + std::to_string(id) + ", outside the vocabulary");
+        }
+        d.tokens.push_back((llama_token) id);
+        d.confidence.push_back(top_prob(scores, top_k, best));
+        if (with_probs) {
+            d.probs.push_back(d.confidence.back());
+        }
+        prev = best;
+    }
+}

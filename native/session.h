@@ -1,0 +1,241 @@
+// Session: a target context, an optional drafter context, and the speculative step (draft, verify, roll back), with
+// their options (ContextOptions) and results (Draft, StepResult). The member functions, with the comments that
+// explain them, are in session.cpp.
+
+#pragma once
+
+#include "model.h"
+#include "sampler.h"
+
+#include <pybind11/numpy.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+struct Draft {
+    std::vector<llama_token> tokens;      // the proposed tokens
+    std::vector<float>       probs;       // the drafter's probability of each (when asked for)
+    // The drafter's own estimate that each token is accepted, where it gives one at no cost: a DSpark confidence
+    // head's output, DFlash2's selector probability along its path; empty for a plain DFlash drafter.
+    std::vector<float>       confidence;
+};
+
+struct StepResult {
+    std::vector<llama_token> tokens;       // accepted draft tokens followed by the target's own token
+    std::vector<llama_token> draft;        // the proposal verified (cut where the context or the batch ends)
+    int    n_accepted = 0;                 // accepted draft tokens (len(tokens) - 1)
+    double draft_ms   = 0.0;               // drafter compute: feature injection (0: deferred to the next draft)
+    double verify_ms  = 0.0;               // target compute: the verify batch
+    double sample_ms  = 0.0;               // sampling the verify rows, one per token in `tokens`
+    double head_ms    = 0.0;               // of verify_ms: the LM head of the rows computed on demand (CPU targets)
+    int    head_rows  = 0;                 // those rows (0: llama.cpp computed every row's logits)
+    double rollback_ms = 0.0;              // dropping the rejected drafts from the target (checkpoint and replay too)
+    double step_ms    = 0.0;               // whole native step, sampling and bookkeeping included
+    std::string rollback;                  // how they were dropped: "" (none rejected), "kv", "snapshot", "checkpoint"
+};
+
+// The llama_context_params fields a user sets (llama.cpp's -c, -b, -ub, -t, -tb, -fa, -ctk, -ctv, -ctkd, -ctvd).
+struct ContextOptions {
+    int n_ctx = 4096;  // 0: the model's trained context
+    int n_batch = 512;  // the most tokens one target decode takes: a prompt chunk or a verify block
+    int n_ubatch = 512;
+    int n_threads = 1;
+    int n_threads_batch = 1;
+    int flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
+    ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation
+    ggml_type type_v_draft = GGML_TYPE_F32;
+    int n_rs_seq = -1;  // recurrent-state snapshots for rolling back drafts (-1: the drafter's longest draft)
+    int n_seq = 1;      // independent sequences in the target's cache (training data decodes several side by side)
+};
+
+ggml_type cache_type(const std::string & name);
+
+// The per-step work of DFlash speculative decoding, written directly against llama.cpp's C API.
+//
+// A Session owns a target context and, optionally, a DFlash drafter context that borrows the target's token
+// embeddings and LM head (ctx_other). draft() proposes a block from the drafter; step() verifies a proposal (from
+// this drafter or any other) with the target in one batch, accepts the longest agreeing prefix plus the target's own
+// token, rolls back both caches (a recurrent target's state by snapshot, or by checkpoint and replay) and feeds the
+// accepted positions' target features to the drafter.
+//
+// Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
+// NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
+// [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
+// before use). Should llama.cpp refuse even that rollback, or the target have recurrent memory (whose state at the
+// call's start is gone), both caches are emptied and n_past is 0. Either way the session stays usable and n_past
+// says what the caches hold.
+class Session {
+public:
+    Session(Model & target, Model * drafter, std::vector<int> layers, const ContextOptions & opt, bool use_layer_api,
+            bool verbose);
+    ~Session();
+    Session(const Session &) = delete;
+    Session & operator=(const Session &) = delete;
+
+    std::atomic<bool> verbose;  // print llama.cpp's log during this session's calls
+
+    int n_past() const { return past; }
+    const Model & target() const { return tgt; }
+    int context_size() const { return n_ctx; }
+    bool has_drafter() const { return ctx_dft != nullptr; }
+    bool uses_layer_api() const { return layer_api; }
+    int batch_size() const { return n_batch; }
+    int ubatch_size() const { return (int) llama_n_ubatch(ctx_tgt); }
+    int threads() const { return llama_n_threads(ctx_tgt); }
+    int threads_batch() const { return llama_n_threads_batch(ctx_tgt); }
+
+    std::vector<std::tuple<std::string, size_t, size_t, size_t>> memory(const std::string & which) const;
+    bool is_recurrent() const { return recurrent; }
+    int snapshots() const { return n_rs; }
+    int pending_rows() const { return n_pending; }
+    int checkpoint_pos() const { return prompt_ckpt_pos; }
+
+    // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
+    void set_capture(bool on) { capture = on; }
+
+    // Whether verify batches of a CPU target compute their LM head only for the rows the accept loop reaches (on by
+    // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
+    void set_head_on_demand(bool on) { head_on_demand = on; }
+    bool head_on_demand_active() const { return head_on_demand && head_w; }
+
+    void truncate(int n);
+    llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index);
+    void checkpoint();
+    Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index);
+    StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
+                    bool rejection, int head_rows = 1);
+    py::array_t<float> logits(int row);
+
+    // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
+    void keep_draft_logits(bool on) { keep_draft = on; }
+
+    py::array_t<float> draft_logits() const;
+    py::array_t<float> draft_lattice() const;
+    std::pair<py::array_t<int32_t>, py::array_t<float>> decode_rows(const std::vector<llama_token> & tokens,
+                                                                  const std::vector<int> & pos,
+                                                                  const std::vector<int> & seq, int top_k);
+    void drop_sequence(int seq);
+    py::array_t<float> features() const;
+
+private:
+    // LogitsOnDemand: every row is an output, its LM head computed when target_row() first reads it (CPU targets)
+    enum Logits { LogitsNone, LogitsLast, LogitsAll, LogitsOnDemand };
+
+    static constexpr int max_block = 512;
+    static constexpr int max_seq = 256;  // llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h, not in llama.h)
+
+    Model & tgt;
+    Model * dft;
+    std::vector<int> layers;
+    bool layer_api;
+    bool capture = true;
+    llama_context * ctx_tgt = nullptr;
+    llama_context * ctx_dft = nullptr;
+    llama_batch_ext * batch_tgt = nullptr;
+    llama_batch_ext * batch_dft = nullptr;
+    llama_token mask_token = -1;
+    int block_size = 16;
+    int top_k = 0;  // DFlash2: candidates per position in the selector lattice; 0 for a plain DFlash drafter
+    // DSpark: a Markov head biases each block slot's logits by the previous slot's argmax (in llama.cpp's graph);
+    // anchor-first blocks draft from the anchor's slot on, and a confidence head rates each slot's draft
+    bool dspark = false;
+    bool dspark_conf = false;
+    bool anchor_first = false;
+    // the longest draft of one block: block_size - 1, or block_size when anchor-first. The same rule as the
+    // engine's (validate.py, DraftSpec.longest_draft), kept here because draft() must bound the n_draft it is given
+    // by the block this drafter decodes, whatever its caller asks, and the default n_rs_seq needs it
+    int max_draft = 0;
+    bool keep_draft = false;
+    std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
+    std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
+    std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
+    std::vector<float> lattice_rows;  // DFlash2: [n_draft, top_k * (top_k + 1)] of the last noise block, when kept
+    int n_ctx = 0;
+    int n_batch = 0;  // the most tokens one target decode takes
+    int n_embd = 0;
+    int past = 0;
+    int n_out = 0;  // output (logits) rows of the last target decode
+
+    // Recurrent (and hybrid) targets: their recurrent state cannot drop positions like a KV cache. llama.cpp keeps
+    // per-token snapshots of the last decode (n_rs of them, where the architecture supports it); a rollback longer
+    // than that restores a checkpoint taken before the verify batch and decodes the accepted tokens again.
+    bool recurrent = false;
+    int n_rs = 0;
+    std::vector<uint8_t> step_ckpt;    // the recurrent state before the current verify batch
+    std::vector<uint8_t> prompt_ckpt;  // the recurrent state at prompt_ckpt_pos, for the prefix cache
+    int prompt_ckpt_pos = -1;
+    bool collecting = false;           // the eval callback copies features only during decode_target
+
+    std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
+    int feat_rows = 0;
+    // Deferred injection (defer): the drafter's cache holds the features of positions [0, dft_past), `pending` those
+    // of [dft_past, dft_past + n_pending), at most one drafter batch.
+    std::vector<float> pending;
+    int n_pending = 0;
+    int dft_past = 0;
+    std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
+    std::vector<float> cb_rows;   // eval-callback path: one layer's rows on their way from the backend
+    std::vector<std::pair<float, llama_token>> cand;
+
+    // LM head on demand. On a CPU a verify row's LM head costs as much as the rest of the row for a big vocabulary
+    // and small model (gemma-3-270m: 262,144 x 640, docs/measurements.md), and the rows after the first rejected draft
+    // are never read. So a verify batch stops after the final norm ("result_norm", the eval callback returns false
+    // there) and target_row() multiplies a row by the target's own output matrix, with the same ggml CPU kernel as
+    // its graph, when the accept loop first reads it. Batch-invariant CPU matmuls give each row the bits llama.cpp
+    // would have written (tests/test_head.py). The matrix is found in the graph of the first decode with outputs:
+    // on only where "result_output" is the graph's last node and a plain matmul of "result_norm" by a matrix in
+    // host memory (no soft-capping or scale after it), and the whole target is on the CPU.
+    bool head_on_demand = true;
+    bool head_probed = false;          // the first decode with outputs looked for the matrix
+    bool probing = false;              // the eval callback is looking for it in this decode
+    ggml_tensor * probe_prev = nullptr;  // the node asked before
+    ggml_tensor * probe_w = nullptr;
+    int probe_tail = 0;                // nodes asked after the head
+    ggml_tensor * head_w = nullptr;    // the target's output matrix; null: llama.cpp computes the logits
+    ggml_backend_t head_cpu = nullptr;
+    ggml_backend_set_n_threads_t head_set_threads = nullptr;
+    bool lazy = false;                 // this decode stops after the final norm
+    std::vector<float> hidden;         // [n_rows, n_embd] final-norm rows of the last on-demand decode
+    int norm_seen = 0;                 // rows of them the eval callback copied
+    int hidden_rows = 0;               // 0: the last decode's logits are llama.cpp's
+    std::vector<float> head_logits;    // [hidden_rows, n_vocab], rows [0, head_done) computed
+    int head_done = 0;
+    int head_first = 1;                // rows of the first head call (step's head_rows)
+    double head_ms = 0.0;              // time in compute_head since the step began
+
+    const float * target_row(int i);
+    void compute_head(int i0, int i1);
+    void check_arguments(const ContextOptions & o);
+    void create_contexts(const ContextOptions & o, int n_rs_seq);
+    static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
+    void free_all();
+    template <class F> auto transaction(F && f) -> decltype(f());
+    bool keep(int n);
+
+    static constexpr llama_state_seq_flags partial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+
+    void save_state(std::vector<uint8_t> & buf);
+    bool restore_state(const std::vector<uint8_t> & buf);
+    static void drop_from(llama_context * ctx, llama_pos p0, const char * which);
+    void check_tokens(const std::vector<llama_token> & toks) const;
+    static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
+    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
+                              uint64_t index, bool rejection);
+    void decode_target(const llama_token * toks, int n, int pos0, Logits logits);
+    void run_target(int n, int n_outputs, bool on_demand = false);
+    static bool eval_cb(ggml_tensor * t, bool ask, void * user);
+    void replay(const llama_token * toks, int n, int pos0);
+    void defer(int pos0, int n);
+    void flush();
+    void inject(int pos0, const float * rows, int n);
+    void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                     Draft & d);
+    static float top_prob(const float * scores, int n, int best);
+    void walk_lattice(int n_draft, bool with_probs, Draft & d);
+};
