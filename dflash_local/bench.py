@@ -161,46 +161,62 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     """Our rows for every prompt; with llama_server (its path), its rows after ours, logs in `out`."""
     rows, prompt_ids, plain_ids = [], [], []
     for i, row in enumerate(prompts):
-        kw = row_request(row)
-        base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
-        prompt_ids.append(engine.prompt_tokens(**kw))
-        plain_ids.append(base.token_ids)
-        engine.draft_policy = "fixed"
-        fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
-        engine.draft_policy = "auto"
-        spec = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
-        both = engine.complete(**kw, max_tokens=max_tokens, draft=True) if engine.ngram else spec
-        s = spec.summary
-        r = {
-            "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
-            "tokens": len(base.token_ids),
-            "baseline_tokens_per_second": base.summary.tokens_per_second,
-            "dflash_tokens_per_second": s.tokens_per_second,
-            "speedup": s.tokens_per_second / base.summary.tokens_per_second if base.summary.tokens_per_second else 0,
-            "mean_acceptance_length": s.mean_acceptance_length,
-            "acceptance_rate": s.acceptance_rate,
-            "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
-            "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
-            "rollback_ms_per_step": s.rollback_ms / s.steps if s.steps else 0.0,
-            "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
-            "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
-            "lossless": spec.token_ids == base.token_ids == fixed.token_ids == both.token_ids,
-            "_summary": fixed.summary,
-        }
-        if engine.ngram:
-            r["ngram_tokens_per_second"] = both.summary.tokens_per_second
-            r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
-            r["_ngram_summary"] = both.summary
-        if peer:
-            r["prompt_lookup_tokens_per_second"], r["prompt_lookup_error"] = prompt_lookup_speed(
-                engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
+        r, ids, plain = bench_prompt(engine, row, max_tokens, peer)
         rows.append(r)
+        prompt_ids.append(ids)
+        plain_ids.append(plain)
         log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
             + (f", prompt-lookup peer {r['prompt_lookup_error']}" if r.get("prompt_lookup_error") else "")
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
+    overall = summarize(engine, rows, max_tokens, peer)
+    if llama_server:
+        overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
+                                           max_tokens, overall["baseline_tokens_per_second"], out, log)
+    return {"rows": rows, "overall": overall}
 
+
+def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool) -> tuple[dict, list[int], list[int]]:
+    """One prompt's row (plain, fixed blocks, the adaptive policy, with n-gram drafts, the prompt-lookup peer), its
+    token ids and plain decoding's output."""
+    kw = row_request(row)
+    base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
+    engine.draft_policy = "fixed"
+    fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
+    engine.draft_policy = "auto"
+    spec = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
+    both = engine.complete(**kw, max_tokens=max_tokens, draft=True) if engine.ngram else spec
+    s = spec.summary
+    r = {
+        "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
+        "tokens": len(base.token_ids),
+        "baseline_tokens_per_second": base.summary.tokens_per_second,
+        "dflash_tokens_per_second": s.tokens_per_second,
+        "speedup": s.tokens_per_second / base.summary.tokens_per_second if base.summary.tokens_per_second else 0,
+        "mean_acceptance_length": s.mean_acceptance_length,
+        "acceptance_rate": s.acceptance_rate,
+        "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
+        "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
+        "rollback_ms_per_step": s.rollback_ms / s.steps if s.steps else 0.0,
+        "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
+        "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
+        "lossless": spec.token_ids == base.token_ids == fixed.token_ids == both.token_ids,
+        "_summary": fixed.summary,
+    }
+    if engine.ngram:
+        r["ngram_tokens_per_second"] = both.summary.tokens_per_second
+        r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
+        r["_ngram_summary"] = both.summary
+    if peer:
+        r["prompt_lookup_tokens_per_second"], r["prompt_lookup_error"] = prompt_lookup_speed(
+            engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
+    return r, engine.prompt_tokens(**kw), base.token_ids
+
+
+def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> dict:
+    """bench.json's overall figures: speeds as total tokens over total time, the fixed-block runs' acceptance and
+    costs, the verify cost curve (measured here)."""
     block = engine.max_draft + 1  # tokens a full block verifies
     curve = verify_cost_curve(engine, block)
     fixed = pooled([r.pop("_summary") for r in rows])
@@ -251,10 +267,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
         speeds = [r["prompt_lookup_tokens_per_second"] for r in rows if r["prompt_lookup_tokens_per_second"]]
         overall["prompt_lookup_tokens_per_second"] = statistics.mean(speeds) if speeds else None
         overall["prompt_lookup_errors"] = sum(1 for r in rows if r["prompt_lookup_error"])
-    if llama_server:
-        overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
-                                           max_tokens, base_speed, out, log)
-    return {"rows": rows, "overall": overall}
+    return overall
 
 
 def _speed(tokens_per_second: float | None, error: str | None) -> str:

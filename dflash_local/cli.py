@@ -423,7 +423,8 @@ def cmd_train(args) -> int:
     return run_train(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags."""
     parser = argparse.ArgumentParser(prog="dflash-local", description="DFlash speculative decoding for GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -520,13 +521,16 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="train a DFlash drafter for a target GGUF on its own greedy continuations")
     _train_args(tr)
     tr.set_defaults(func=cmd_train)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--llama-server-args" in argv[:-1]:
         # its value starts with "-" (--no-repack), which argparse would take for a flag of ours
         i = argv.index("--llama-server-args")
         argv[i:i + 2] = [f"--llama-server-args={argv[i + 1]}"]
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if getattr(args, "draft_backend", None) == "torch" and not args.no_draft:
             from .engine import torch_drafter  # noqa: F401  (without torch: the error, before any model loads)

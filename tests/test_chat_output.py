@@ -10,7 +10,7 @@ import pytest
 
 from dflash_local.chat import tool_calls
 from dflash_local.chat.templates import read_template, render
-from dflash_local.chat.output import Stream, finish, parse, syntax_for
+from dflash_local.chat.output import Stream, finish, syntax_for
 from dflash_local.chat.reasoning import budget_kwargs
 from dflash_local.chat.tool_calls import ToolChoiceError
 

@@ -46,8 +46,8 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def target(work):
-    return write_tiny_target(work / "target.gguf")
+def target(tiny_target):
+    return tiny_target  # conftest's: the tiny target every test of the package reads and none writes
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from fixtures import write_tiny_drafter, write_tiny_qwen35
 
 from dflash_local import Engine, _native
 from dflash_local.engine.drafter import NativeDrafter
-from dflash_local.models import default_drafter, default_target
+from dflash_local.models import default_drafter
 from dflash_local.engine.placement import Placement
 from dflash_local.engine.policy import DraftPolicy
 

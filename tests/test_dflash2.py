@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
-from fixtures import with_inf_in_fc, write_tiny_target
+from fixtures import with_inf_in_fc
+from lossless import SAMPLED, assert_lossless
+from parity import drafts_side_by_side, top1_agreement
 from zlab import edit_config, write_checkpoint, zlab2_config, zlab_config
 
 from dflash_local import Engine, _native
@@ -27,6 +29,7 @@ from dflash_local.validate import PairError, check_pair
 torch = pytest.importorskip("torch")
 
 LAYER_IDS = [0, 1, 2]  # features 0..2 of the 4-layer tiny target -> GGUF layer inputs 1..3
+NATIVE = dict(layer_ids=LAYER_IDS, n_draft=7, n_threads=2, with_probs=True)  # how the parity tests draft natively
 TOP_K = 6  # 6 * 7 = 42 lattice values fit the drafter's 64-wide rows
 
 
@@ -36,8 +39,8 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def target(work):
-    return write_tiny_target(work / "target.gguf")
+def target(tiny_target):
+    return tiny_target  # conftest's: the tiny target every test of the package reads and none writes
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,7 @@ def test_layout_types_and_inspect(converted, target_info):
     assert t["blk.1.ffn_conv_proj.weight"].shape == (64, 2 * 3 * 4)
     run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(path)], capture_output=True, text=True,
                          check=True)
-    assert f"DFlash2 drafter: 2 layers, hidden 64, target layers (inputs) [1, 2, 3], block size 8" in run.stdout
+    assert "DFlash2 drafter: 2 layers, hidden 64, target layers (inputs) [1, 2, 3], block size 8" in run.stdout
     assert f"selector top-{TOP_K} of rank 16, conv kernel 3 in groups of 16" in run.stdout
     run = subprocess.run([sys.executable, "-m", "dflash_local", "inspect", str(path), "--json"], capture_output=True,
                          text=True, check=True)
@@ -160,28 +163,6 @@ def compare_lattices(g_lat, cand, scores, k):
     return np.sqrt(err / num)
 
 
-def run_both(target, drafter_gguf, torch_source, prompts, steps=6):
-    """Draft with the native session and the torch drafter from the same target features, step after step; yield
-    (native draft, native lattice, native logits, torch drafter, last token, n)."""
-    from dflash_local.engine.torch_drafter import TorchDraftBackend
-
-    tm, dm = _native.Model(str(target)), _native.Model(str(drafter_gguf))
-    session = _native.Session(tm, dm, [i + 1 for i in LAYER_IDS], 512, 2, True, False)
-    session.keep_draft_logits(True)
-    greedy = _native.Sampling()
-    ref = TorchDraftBackend.load(torch_source, target)
-    for prompt in prompts:
-        session.truncate(0)
-        ref.crop(0)
-        ids = tm.tokenize(prompt, True, False)
-        last = session.prefill(ids, greedy, 0)
-        ref.add(session.features(), 0)
-        for k in range(steps):
-            d = session.draft(last, 7, True)
-            yield d, session.draft_lattice(), session.draft_logits(), ref, last
-            r = session.step(last, d.tokens, greedy, 1 + k)
-            ref.add(session.features()[: r.n_accepted + 1], ref.n)
-            last = r.tokens[-1]
 
 
 @pytest.mark.parametrize("source", ["gguf", "checkpoint"])
@@ -189,8 +170,9 @@ def test_f32_torch_lattice_equals_ggml(converted, ckpt, target, source):
     """torch from the f32 GGUF and from the checkpoint folder itself: the same lattice, logits and drafts as
     llama.cpp's graph, over steps whose context grows past the sliding window."""
     n = 0
-    for d, lat, logits, ref, last in run_both(target, converted("f32"), converted("f32") if source == "gguf" else ckpt,
-                                              make_prompts(4, seed=5)):
+    for d, s, ref, last in drafts_side_by_side(target, converted("f32"), converted("f32") if source == "gguf" else ckpt,
+                                               make_prompts(4, seed=5), **NATIVE):
+        lat, logits = s.draft_lattice(), s.draft_logits()
         h, want = ref.hidden_and_logits(last, 7)
         want = want.numpy()
         assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 1e-4
@@ -213,14 +195,9 @@ def test_quantized_drafts_agree_with_torch(converted, target, outtype):
     error), and every disagreement must be a near-tie."""
     path = converted(outtype)
     same = clear = agree = drafted = first = n = 0
-    for d, _, logits, ref, last in run_both(target, path, path, make_prompts(6, seed=6), steps=6):
-        want = ref.logits(last, 7).numpy()
-        top2 = np.sort(want, axis=1)[:, -2:]
-        rms = np.sqrt(np.mean((logits - want) ** 2, axis=1))
-        rows = top2[:, 1] - top2[:, 0] > 3 * rms
-        hit = logits.argmax(1) == want.argmax(1)
+    for d, s, ref, last in drafts_side_by_side(target, path, path, make_prompts(6, seed=6), **NATIVE):
+        hit, rows = top1_agreement(s.draft_logits(), ref.logits(last, 7).numpy())
         same, clear, agree, n = same + hit.sum(), clear + rows.sum(), agree + hit[rows].sum(), n + len(hit)
-        assert np.all(hit | ~rows)
         path = ref.draft([last], 7)
         drafted += sum(a == b for a, b in zip(d.tokens, path))
         first += d.tokens[0] == path[0]
@@ -243,12 +220,7 @@ def test_quantized_drafts_agree_with_torch(converted, target, outtype):
 def test_tiny_engine_is_lossless(converted, ckpt, target):
     for drafter, backend in [(converted("q8_0"), "ggml"), (ckpt, "torch")]:
         e = Engine(target, drafter, n_ctx=512, draft_backend=backend, draft_policy="fixed")
-        for i, p in enumerate(make_prompts(6, seed=8)):
-            spec, base = e.complete(p, max_tokens=24), e.complete(p, max_tokens=24, draft=False)
-            assert spec.token_ids == base.token_ids, (backend, p)
-            assert spec.summary.n_drafted > 0
-            kw = dict(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=100 + i)
-            assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, (backend, p)
+        assert_lossless(e, make_prompts(6, seed=8), max_tokens=24, sampling=SAMPLED, label=backend)
 
 
 GEMMA_LAYER_IDS = [1, 8, 15]
@@ -278,12 +250,7 @@ def test_gemma_dflash2_converts_with_the_cli_and_drafts_losslessly(work, gemma_t
     assert "DFlash2 drafter: 1 layers, hidden 640, target layers (inputs) [2, 9, 16], block size 4" in run.stdout
     e = Engine(gemma_target, out, n_ctx=1024, draft_policy="fixed")
     assert e.model_info()["feature_capture"] == "callback"
-    for i, p in enumerate(make_prompts(3, seed=12)):
-        spec, base = e.complete(p, max_tokens=12), e.complete(p, max_tokens=12, draft=False)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.n_drafted > 0
-        kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
-        assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+    assert_lossless(e, make_prompts(3, seed=12), max_tokens=12, sampling=dict(temperature=1.0), seed=7)
 
 
 def test_gemma_f16_dflash2_drafts_as_its_f32_and_losslessly(work, gemma_target, gemma_ckpt):
@@ -311,12 +278,7 @@ def test_gemma_f16_dflash2_drafts_as_its_f32_and_losslessly(work, gemma_target, 
         assert list(f16.tokens) == list(f32.tokens), p
         np.testing.assert_allclose(f16.confidence, f32.confidence, rtol=1e-2)  # and so finite
     e = Engine(gemma_target, paths[0], n_ctx=1024, draft_policy="fixed")
-    for i, p in enumerate(make_prompts(2, seed=12)):
-        spec, base = e.complete(p, max_tokens=12), e.complete(p, max_tokens=12, draft=False)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.n_drafted > 0
-        kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
-        assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+    assert_lossless(e, make_prompts(2, seed=12), max_tokens=12, sampling=dict(temperature=1.0), seed=7)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])

@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
 from fixtures import write_tiny_qwen35
+from lossless import SAMPLED, assert_lossless
+from parity import drafts_side_by_side, top1_agreement
 from scripted import ScriptedDrafter, Wrapping
 from test_policy import SteadyCosts
 from zlab import dspark_config, edit_config, write_checkpoint, zlab2_config
 
-from dflash_local import Engine, Finished, StepStats, _native
+from dflash_local import Engine, Finished, StepStats
 from dflash_local.convert.errors import ConvertError
 from dflash_local.convert.gguf_out import tokenizer_kv
 from dflash_local.convert.hf_to_gguf import convert_drafter
@@ -172,27 +174,6 @@ def test_a_confidence_head_without_the_markov_input_is_refused(work, tiny_target
 # -- the PyTorch drafter against llama.cpp's graph ---------------------------------------------------------------
 
 
-def run_both(target, drafter_gguf, torch_source, prompts, n, steps=6):
-    """Draft with the native session and the torch drafter from the same target features, step after step; yield
-    (native draft, native logits, torch drafter, last token)."""
-    from dflash_local.engine.torch_drafter import TorchDraftBackend
-
-    tm, dm = _native.Model(str(target)), _native.Model(str(drafter_gguf))
-    session = _native.Session(tm, dm, [i + 1 for i in LAYER_IDS], 512, 1, True, False)
-    session.keep_draft_logits(True)
-    greedy = _native.Sampling()
-    ref = TorchDraftBackend.load(torch_source, target)
-    for prompt in prompts:
-        session.truncate(0)
-        ref.crop(0)
-        last = session.prefill(tm.tokenize(prompt, True, False), greedy, 0)
-        ref.add(session.features(), 0)
-        for k in range(steps):
-            d = session.draft(last, n, False)
-            yield d, session.draft_logits(), ref, last
-            r = session.step(last, d.tokens, greedy, 1 + k)
-            ref.add(session.features()[: r.n_accepted + 1], ref.n)
-            last = r.tokens[-1]
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
@@ -204,9 +185,9 @@ def test_f32_torch_equals_ggml(converted, ckpt, tiny_target, schema, source):
     path = converted(schema, "f32")
     n_max = BLOCK if anchor_first(schema) else BLOCK - 1
     count = 0
-    for i, (d, logits, ref, last) in enumerate(run_both(tiny_target, path,
-                                                        path if source == "gguf" else ckpt[schema],
-                                                        make_prompts(3, seed=5), n=n_max)):
+    for d, s, ref, last in drafts_side_by_side(tiny_target, path, path if source == "gguf" else ckpt[schema],
+                                               make_prompts(3, seed=5), layer_ids=LAYER_IDS, n_draft=n_max):
+        logits = s.draft_logits()
         want, conf = ref.dspark(last, n_max)
         want = want.numpy()
         n_vocab = ref.head.shape[0]
@@ -228,8 +209,8 @@ def test_f32_torch_equals_ggml(converted, ckpt, tiny_target, schema, source):
 def test_the_markov_head_changes_the_drafts(converted, tiny_target):
     """The bias is not a no-op on these weights: without it (the unbiased logits) the drafts differ."""
     differ = n = 0
-    for d, _, ref, last in run_both(tiny_target, converted("deepspec", "f32"), converted("deepspec", "f32"),
-                                    make_prompts(2, seed=7), n=BLOCK, steps=3):
+    for d, _, ref, last in drafts_side_by_side(tiny_target, converted("deepspec", "f32"), converted("deepspec", "f32"),
+                                              make_prompts(2, seed=7), layer_ids=LAYER_IDS, n_draft=BLOCK, steps=3):
         _, base = ref.hidden_and_logits(last, BLOCK)
         differ += sum(a != b for a, b in zip(d.tokens, base.argmax(1).tolist()))
         n += BLOCK
@@ -245,13 +226,9 @@ def test_q8_0_drafts_agree_with_torch(converted, tiny_target):
     RMS error), every disagreement a near-tie, and >= 95% of all slots and free-running drafts the same."""
     path = converted("deepspec", "q8_0")
     same = clear = agree = drafted = n = 0
-    for d, logits, ref, last in run_both(tiny_target, path, path, make_prompts(6, seed=6), n=BLOCK):
-        want = ref.dspark(last, BLOCK, given=list(d.tokens))[0].numpy()
-        top2 = np.sort(want, axis=1)[:, -2:]
-        rms = np.sqrt(np.mean((logits - want) ** 2, axis=1))
-        rows = top2[:, 1] - top2[:, 0] > 3 * rms
-        hit = logits.argmax(1) == want.argmax(1)
-        assert np.all(hit | ~rows)
+    for d, s, ref, last in drafts_side_by_side(tiny_target, path, path, make_prompts(6, seed=6), layer_ids=LAYER_IDS,
+                                               n_draft=BLOCK):
+        hit, rows = top1_agreement(s.draft_logits(), ref.dspark(last, BLOCK, given=list(d.tokens))[0].numpy())
         same, clear, agree, n = same + hit.sum(), clear + rows.sum(), agree + hit[rows].sum(), n + len(hit)
         drafted += sum(a == b for a, b in zip(d.tokens, ref.draft([last], BLOCK)))
     assert clear / n >= 0.8 and agree / clear >= 0.99, (clear / n, agree / clear)
@@ -284,14 +261,10 @@ def test_tiny_engine_is_lossless(converted, ckpt, tiny_target, schema):
                                                                                                "fixed")]:
         e = Engine(tiny_target, drafter, n_ctx=512, n_threads=1, draft_backend=backend, draft_policy=policy)
         assert e.max_draft == (BLOCK if anchor_first(schema) else BLOCK - 1)
-        for i, p in enumerate(make_prompts(6, seed=8)):
-            rec = Recorded(e.drafter)
-            spec, base = e.complete(p, max_tokens=24, external_drafter=rec), e.complete(p, max_tokens=24, draft=False)
-            assert spec.token_ids == base.token_ids, (backend, p)
-            assert spec.summary.n_drafted > 0
-            assert rec.tokens <= set(draft_ids(schema, e.target.n_vocab).tolist()), (backend, p)
-            kw = dict(max_tokens=24, temperature=0.8, top_k=40, top_p=0.95, seed=100 + i)
-            assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, (backend, p)
+        rec = Recorded(e.drafter)
+        assert_lossless(e, make_prompts(6, seed=8), max_tokens=24, sampling=SAMPLED, label=backend,
+                        external_drafter=rec)
+        assert rec.tokens <= set(draft_ids(schema, e.target.n_vocab).tolist()), backend
         if backend == "ggml":
             with pytest.raises(ValueError, match="DSpark drafter chains its Markov head"):
                 e.complete("x", max_tokens=4, temperature=0.8, seed=1, spec_sampling="rejection")
@@ -330,13 +303,8 @@ def test_hybrid_target_is_lossless_with_every_acceptance_length(hybrid):
     then a scripted drafter with planted errors through the same engine, for the lengths a random drafter never
     reaches."""
     assert hybrid.max_draft == BLOCK and hybrid.session.n_rs_seq == BLOCK
-    for i, p in enumerate(make_prompts(12, seed=9)):
-        base = hybrid.complete(p, max_tokens=24, draft=False)
-        spec = hybrid.complete(p, max_tokens=24)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.n_drafted > 0 and spec.summary.n_checkpoint_rollbacks == 0
-        kw = dict(max_tokens=16, temperature=0.9, seed=40 + i)
-        assert hybrid.complete(p, **kw).token_ids == hybrid.complete(p, draft=False, **kw).token_ids, p
+    done = assert_lossless(hybrid, make_prompts(12, seed=9), max_tokens=24, sampling=dict(temperature=0.9), seed=40)
+    assert all(spec.summary.n_checkpoint_rollbacks == 0 for spec in done)
     lengths = set()
     for p in make_prompts(6, seed=10):
         base = hybrid.complete(p, max_tokens=80, draft=False)
@@ -370,13 +338,11 @@ def test_gemma_dspark_converts_with_the_cli_and_drafts_losslessly(work, gemma_ta
         e = Engine(gemma_target, out, n_ctx=1024, n_threads=1, draft_policy=policy)
         assert e.max_draft == 4
         for i, p in enumerate(make_prompts(3, seed=12)):
-            base, spec = e.complete(p, max_tokens=12, draft=False), e.complete(p, max_tokens=12)
-            assert spec.token_ids == base.token_ids, p
+            spec, = assert_lossless(e, p, max_tokens=12, drafted=False)
             # what the policy cuts with: the confidence head's rating of each draft after this output
             tokens, ratings = e.drafter.draft_rated(e.prompt_tokens(p) + spec.token_ids, 4)
             assert len(tokens) == len(ratings) == 4 and all(0 < c < 1 for c in ratings)
-            kw = dict(max_tokens=12, temperature=1.0, seed=7 + i)
-            assert e.complete(p, **kw).token_ids == e.complete(p, draft=False, **kw).token_ids, p
+            assert_lossless(e, p, max_tokens=12, sampling=dict(temperature=1.0), seed=7 + i, drafted=False)
 
 
 # -- the adaptive policy's cut by the drafter's confidence ------------------------------------------------------------

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from conftest import make_prompts
-from scripted import ScriptedDrafter
+from lossless import assert_lossless, assert_scripted_lossless
 
 from dflash_local import _native
 
@@ -20,21 +20,11 @@ def test_gemma_uses_the_eval_callback(gemma_engine):
 
 
 def test_gemma_greedy_dflash_is_token_identical_on_50_prompts(gemma_engine):
-    for p in make_prompts(50, seed=11):
-        base = gemma_engine.complete(p, max_tokens=12, draft=False)
-        spec = gemma_engine.complete(p, max_tokens=12, draft=True)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.n_drafted > 0
+    assert_lossless(gemma_engine, make_prompts(50, seed=11), max_tokens=12)
 
 
 def test_gemma_scripted_drafts_accept_and_roll_back(gemma_engine):
-    prompt = "The history of the printing press"
-    base = gemma_engine.complete(prompt, max_tokens=96, draft=False)
-    n_prompt = len(gemma_engine.prompt_tokens(prompt))
-    drafter = ScriptedDrafter(n_prompt, base.token_ids, gemma_engine.target.n_vocab)
-    spec = gemma_engine.complete(prompt, max_tokens=96, external_drafter=drafter)
-    assert spec.token_ids == base.token_ids
-    assert spec.summary.mean_acceptance_length > 1.5
+    assert_scripted_lossless(gemma_engine, "The history of the printing press", max_tokens=96)
 
 
 def test_gemma_sampling_matches_baseline_with_the_same_seed(gemma_engine):

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import make_prompts
 from fixtures import write_tiny_drafter, write_tiny_moe
-from scripted import ScriptedDrafter
+from lossless import assert_lossless, assert_scripted_lossless
 
 from dflash_local import Engine, _native
 from dflash_local.cli import main
@@ -98,12 +98,8 @@ def test_moe_with_experts_on_the_cpu_is_lossless(moe, moe_drafter):
                placement=placement("--n-cpu-moe", "2", "-ot", "ffn_(up|gate)_exps=CPU"))
     assert e.target.n_expert == 4 and len(e.target.overrides) == 3
     for p in make_prompts(8, seed=2):
-        base = e.complete(p, max_tokens=40, draft=False)
-        assert e.complete(p, max_tokens=40).token_ids == base.token_ids, p
-        scripted = ScriptedDrafter(len(e.prompt_tokens(p)), base.token_ids, e.target.n_vocab)
-        spec = e.complete(p, max_tokens=40, external_drafter=scripted)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.mean_acceptance_length > 1.5
+        assert_lossless(e, p, max_tokens=40, drafted=False)
+        assert_scripted_lossless(e, p, max_tokens=40)
     # the same tokens as the model loaded without overrides
     plain = Engine(moe, n_ctx=1024)
     assert plain.complete("Q: river code?\nA:", max_tokens=40).token_ids == e.complete(
@@ -161,12 +157,8 @@ def test_gemma_q8_0_cache_with_flash_attention_is_lossless(gemma_target, gemma_d
                placement=placement("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"))
     assert kv_bytes(e) * 64 == kv_bytes(gemma_engine) * 34  # the target's cache is q8_0
     for p in make_prompts(3, seed=4) + ["The history of the printing press"]:
-        base = e.complete(p, max_tokens=32, draft=False)
-        assert e.complete(p, max_tokens=32).token_ids == base.token_ids, p
-        scripted = ScriptedDrafter(len(e.prompt_tokens(p)), base.token_ids, e.target.n_vocab)
-        spec = e.complete(p, max_tokens=32, external_drafter=scripted)
-        assert spec.token_ids == base.token_ids, p
-        assert spec.summary.mean_acceptance_length > 1.5
+        assert_lossless(e, p, max_tokens=32, drafted=False)
+        assert_scripted_lossless(e, p, max_tokens=32)
 
 
 def test_gemma_cli_q8_0_cache(gemma_target, gemma_drafter, tmp_path):

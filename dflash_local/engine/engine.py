@@ -16,7 +16,7 @@ from .. import _native
 from ..chat import templates as chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .grammar import grammar_of
-from ..gguf_file import read_gguf
+from ..gguf_file import GGUFInfo, read_gguf
 from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
 from .policy import DraftPolicy
@@ -88,6 +88,37 @@ def _file_type(info) -> str:
         return str(ft)
 
 
+def _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq) -> None:
+    """Engine's plain options, checked before any file is read."""
+    if capture not in ("auto", "layer_api", "callback"):
+        raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
+    if draft_policy not in ("auto", "fixed"):
+        raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
+    _check_spec_sampling(spec_sampling)
+    if draft_backend not in ("ggml", "torch"):
+        raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
+    if n_ctx != 0 and n_ctx < 8:
+        raise ValueError(f"n_ctx must be 0 (the model's trained context) or at least 8, got {n_ctx}")
+    if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
+        raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
+
+
+def _read_pair(model, draft, draft_backend) -> tuple[GGUFInfo, GGUFInfo | None, DraftSpec | None]:
+    """The target's and the drafter's GGUF headers, checked as a pair, and the drafter's shape; a checkpoint folder
+    (the torch drafter's) has neither header nor shape until it is loaded."""
+    target_info = read_gguf(model)
+    check_target(target_info)
+    if draft and Path(draft).is_dir():
+        if draft_backend != "torch":
+            raise ValueError(f"{draft} is a checkpoint folder: run it with draft_backend='torch', or convert it "
+                             f"to GGUF for the llama.cpp drafter (dflash-local convert)")
+        return target_info, None, None
+    if draft:
+        draft_info = read_gguf(draft)
+        return target_info, draft_info, check_pair(target_info, draft_info)
+    return target_info, None, None
+
+
 class Engine:
     def __init__(
         self,
@@ -137,25 +168,9 @@ class Engine:
         ngram: also draft from repeats in the context (ngram.py), before the drafter at each step; with no drafter,
         the n-gram lookup alone drafts.
         """
-        if capture not in ("auto", "layer_api", "callback"):
-            raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
-        if draft_policy not in ("auto", "fixed"):
-            raise ValueError(f"draft policy must be auto or fixed, not {draft_policy!r}")
-        _check_spec_sampling(spec_sampling)
-        if draft_backend not in ("ggml", "torch"):
-            raise ValueError(f"draft backend must be ggml or torch, not {draft_backend!r}")
-        self.target_info = read_gguf(model)
-        check_target(self.target_info)
-        self.draft_info = None  # the drafter GGUF's header; a z-lab checkpoint folder has none
-        self.spec = None
-        if draft and Path(draft).is_dir():
-            if draft_backend != "torch":
-                raise ValueError(f"{draft} is a checkpoint folder: run it with draft_backend='torch', or convert it "
-                                 f"to GGUF for the llama.cpp drafter (dflash-local convert)")
-        elif draft:
-            self.draft_info = read_gguf(draft)
-            self.spec = check_pair(self.target_info, self.draft_info)
-
+        _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq)
+        # the drafter GGUF's header and shape (a z-lab checkpoint folder has no header: its shape comes on loading)
+        self.target_info, self.draft_info, self.spec = _read_pair(model, draft, draft_backend)
         if placement is None:
             placement = Placement(n_gpu_layers=n_gpu_layers, n_threads=n_threads, repack=repack,
                                   flash_attn="on" if flash_attn else "off")
@@ -163,8 +178,6 @@ class Engine:
         placement.check_head_sizes(self.target_info, self.draft_info if draft_backend == "ggml" else None)
         self.placement = placement
         n_ctx_train = self.target_info.get("context_length") or n_ctx
-        if n_ctx != 0 and n_ctx < 8:
-            raise ValueError(f"n_ctx must be 0 (the model's trained context) or at least 8, got {n_ctx}")
         self.n_ctx = min(n_ctx, n_ctx_train) if n_ctx else 0  # 0: llama.cpp's, read back below
         self.n_threads = placement.threads
         self.draft_path = draft
@@ -184,8 +197,6 @@ class Engine:
 
         self.block_size = self._block_size(block_size)  # every generation's, unless generate() is given another
         self.max_draft = self._longest_draft(self.block_size)
-        if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
-            raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
 
         layers = self.spec.layers if self.spec else []
         arch = self.target_info.arch
@@ -450,18 +461,8 @@ class Engine:
         spec_sampling = spec_sampling or self.spec_sampling
         _check_spec_sampling(spec_sampling)
         rejection = spec_sampling == "rejection" and drafter is not None and not params.greedy
-        if rejection and not isinstance(drafter, NativeDrafter):
-            raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
-                             "spec sampling (match) with this drafter")
-        if rejection and self.draft_info is not None and self.draft_info.get("selector_top_k"):
-            raise ValueError("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
-                             "selector lattice; use the default spec sampling (match)")
-        if rejection and self.draft_info is not None and "markov_w1.weight" in self.draft_info.tensors:
-            raise ValueError("rejection sampling needs the drafter's distributions: a DSpark drafter chains its "
-                             "Markov head on greedy drafts, not sampled ones; use the default spec sampling (match)")
-        if rejection and params.grammar:
-            raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
-                             "(match)")
+        if rejection:
+            self._check_rejection(drafter, params)
         return Generation(
             ids, prompt_text, max_tokens or self.n_ctx - len(ids), list(stop), sampler, logprobs is not None,
             drafter, max_draft,
@@ -469,6 +470,22 @@ class Engine:
             bool(self.ngram and draft and ngram and not rejection),
             self.token_set(preserved_tokens), rejection,
         )
+
+    def _check_rejection(self, drafter: Drafter, params: SamplingParams) -> None:
+        """Rejection sampling verifies drafts against the drafter's own distribution: only llama.cpp's plain DFlash
+        drafter has one, and a grammar would change the target's."""
+        if not isinstance(drafter, NativeDrafter):
+            raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
+                             "spec sampling (match) with this drafter")
+        if self.draft_info is not None and self.draft_info.get("selector_top_k"):
+            raise ValueError("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
+                             "selector lattice; use the default spec sampling (match)")
+        if self.draft_info is not None and "markov_w1.weight" in self.draft_info.tensors:
+            raise ValueError("rejection sampling needs the drafter's distributions: a DSpark drafter chains its "
+                             "Markov head on greedy drafts, not sampled ones; use the default spec sampling (match)")
+        if params.grammar:
+            raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
+                             "(match)")
 
     def token_set(self, texts) -> frozenset[int]:
         """The ids of the strings that are one token of this vocabulary (the others are left out)."""

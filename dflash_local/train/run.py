@@ -94,6 +94,14 @@ class Batch:
     accepted: list[int]  # per block: leading draft positions that match the target (the acceptance it implies)
 
 
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to cfg.lr, then a cosine down to a tenth of it at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
 def position_weights(block_size: int) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / 7.0)
 
@@ -414,6 +422,19 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
+    def best_so_far(self, best: Path, held_out: list) -> float:
+        """The held-out acceptance of the best step so far (best.pt), if validated on the same prompts as now; else
+        best.pt is set aside as best.previous.pt and the best step is chosen anew (-1)."""
+        if not best.exists():
+            return -1.0
+        b = torch.load(best, weights_only=False)
+        if (b.get("held_out"), b.get("eval_tokens")) == (held_out, self.cfg.eval_tokens):
+            return b["tau"]
+        best.replace(self.out / "best.previous.pt")
+        self.log("best.pt was validated on other held-out prompts: kept as best.previous.pt, and the best step is "
+                 "chosen anew")
+        return -1.0
+
     def run(self) -> Path:
         from tqdm import tqdm
 
@@ -430,15 +451,7 @@ class Trainer:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
         step = 0
         ckpt, best = self.out / "checkpoint.pt", self.out / "best.pt"
-        best_tau = -1.0
-        if best.exists():  # the best step so far, if validated on the same prompts as now
-            b = torch.load(best, weights_only=False)
-            if (b.get("held_out"), b.get("eval_tokens")) == (held_out, cfg.eval_tokens):
-                best_tau = b["tau"]
-            else:
-                best.replace(self.out / "best.previous.pt")
-                self.log("best.pt was validated on other held-out prompts: kept as best.previous.pt, and the best "
-                         "step is chosen anew")
+        best_tau = self.best_so_far(best, held_out)
         if ckpt.exists():
             state = torch.load(ckpt, map_location=self.device, weights_only=False)
             model.load_state_dict(state["model"])
@@ -454,12 +467,6 @@ class Trainer:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scale": scale.cpu(),
                             "rng": rng.bit_generator.state, "step": step}, tmp)
 
-        def lr_at(i):
-            if i < cfg.warmup:
-                return cfg.lr * (i + 1) / cfg.warmup
-            frac = (i - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-            return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
         weights = position_weights(cfg.block_size)
         history = self.out / "train.log.jsonl"
         bar = tqdm(total=cfg.steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True)
@@ -468,7 +475,7 @@ class Trainer:
             while step < cfg.steps:
                 t_step = time.perf_counter()
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step)
+                    g["lr"] = learning_rate(cfg, step)
                 opt.zero_grad()
                 total, wsum, acc = 0.0, 0.0, []
                 for j in rng.choice(len(samples), size=cfg.batch, replace=len(samples) < cfg.batch):
@@ -490,7 +497,7 @@ class Trainer:
                     save()
                     with open(history, "a") as f:
                         f.write(json.dumps({"step": step, "loss": float(np.mean(recent_loss)),
-                                            "tau_train": float(np.mean(recent_acc)), "lr": lr_at(step - 1),
+                                            "tau_train": float(np.mean(recent_acc)), "lr": learning_rate(cfg, step - 1),
                                             "steps_per_s": len(recent_s) / sum(recent_s)}) + "\n")
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     model.eval()
