@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Build upstream llama.cpp's llama-server (and llama-speculative-simple, llama-bench, llama-batched-bench) from the
-# same source this project builds on: the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist, taken from the
-# package index. Built as a llama.cpp user gets it, with llama.cpp's default CMake options (llamafile sgemm and weight
-# repacking on, GGML_NATIVE), except the web UI's download from a model hub (LLAMA_USE_PREBUILT_UI=OFF): no network
-# beyond the package index. The binaries go to .llama-server/bin/ (ignored by git) and are reused when present; the
-# last line printed is llama-server's path, for `dflash-local bench --llama-server PATH`.
+# Build upstream llama.cpp's llama-server (and llama-speculative-simple, llama-bench, llama-batched-bench,
+# llama-quantize) from the same source this project builds on: the llama.cpp vendored in the llama-cpp-python 0.3.36
+# sdist, taken from the package index. Built as a llama.cpp user gets it, with llama.cpp's default CMake options
+# (llamafile sgemm and weight repacking on, GGML_NATIVE), except the web UI's download from a model hub
+# (LLAMA_USE_PREBUILT_UI=OFF): no network beyond the package index. The binaries go to .llama-server/bin/ (ignored by
+# git) and are reused when present; the last line printed is llama-server's path, for `dflash-local bench --llama-server
+# PATH`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=.llama-server
 SERVER="$OUT/bin/llama-server"
-if [ -x "$SERVER" ] && [ -x "$OUT/bin/llama-speculative-simple" ]; then
+if [ -x "$SERVER" ] && [ -x "$OUT/bin/llama-speculative-simple" ] && [ -x "$OUT/bin/llama-quantize" ]; then
     echo "$PWD/$SERVER"
     exit 0
 fi
@@ -34,7 +35,7 @@ cmake -S "$OUT/src/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA
     -DLLAMA_BUILD_TESTS=OFF >"$OUT/cmake.log" 2>&1 ||
     { tail -20 "$OUT/cmake.log" >&2; exit 1; }
 cmake --build "$OUT/build" -j "$(nproc 2>/dev/null || sysctl -n hw.ncpu)" \
-    --target llama-server llama-speculative-simple llama-bench llama-batched-bench >"$OUT/build.log" 2>&1 ||
+    --target llama-server llama-speculative-simple llama-bench llama-batched-bench llama-quantize >"$OUT/build.log" 2>&1 ||
     { tail -20 "$OUT/build.log" >&2; exit 1; }
 ln -sfn build/bin "$OUT/bin"  # llama.cpp's CMakeLists puts every binary in build/bin
 [ -x "$SERVER" ] || { echo "error: the build made no $SERVER" >&2; exit 1; }
