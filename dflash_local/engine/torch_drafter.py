@@ -46,6 +46,11 @@ from ..validate import check_checkpoint_pair
 
 @dataclass
 class DraftShape:
+    """The graph the torch drafter builds, in GGUF terms (layer-input indices, the mask token to use): read from a
+    drafter GGUF (shape_from_gguf) or from a checkpoint's DrafterConfig (convert/zlab_checkpoint.py), which stays a
+    record of its own because it keeps the checkpoint's config as written (z-lab's names, output-layer ids, fields only
+    conversion reads, None where the config is silent)."""
+
     n_embd: int
     n_layer: int
     n_head: int
