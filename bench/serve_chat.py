@@ -1,11 +1,14 @@
 """Requests per minute and tokens/s of `dflash-local serve` for a sequence of chat requests, with and without drafter.
 
-    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128] [--llama-server PATH]
+    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128] [--clients K]
+        [--llama-server PATH]
 
 Starts the real server (a subprocess on 127.0.0.1) once with the drafter and once with --no-draft, sends the same
-chat requests one after another through the official openai client, and prints a Markdown table. With
---llama-server, upstream llama-server (plain, one slot, the same context and threads) gets the same requests on its
-/v1/chat/completions, with its own chat template.
+chat requests through the official openai client, streamed, and prints a Markdown table: requests per minute,
+aggregate tokens/s, and the time to the first token (mean and worst). --clients K sends them from K clients at once
+(each takes the next request when its last one is done); 1 (the default) sends them one after another. With
+--llama-server, upstream llama-server (plain, the same context and threads, as many slots as clients: `-np K`) gets
+the same requests on its /v1/chat/completions, with its own chat template.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import os
 import socket
 import subprocess
 import sys
+import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -36,7 +41,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(argv: list[str], n: int, max_tokens: int, label: str) -> dict:
+def request(client: openai.OpenAI, model: str, topic: str, max_tokens: int) -> tuple[int, float]:
+    """One streamed chat request: (completion tokens, seconds to the first content)."""
+    t0, first, tokens = time.perf_counter(), None, 0
+    stream = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": f"Explain {topic}."}])
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, first if first is not None else time.perf_counter() - t0
+
+
+def run(argv: list[str], n: int, max_tokens: int, label: str, clients: int = 1) -> dict:
     """The requests against the server `argv` starts (given --port too)."""
     port = free_port()
     # run from a neutral folder: in the repository root `-m dflash_local` would find the unbuilt source tree
@@ -55,43 +74,47 @@ def run(argv: list[str], n: int, max_tokens: int, label: str) -> dict:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         topics = (TOPICS * (n // len(TOPICS) + 1))[:n]
-        tokens, t0 = 0, time.perf_counter()
-        for i, topic in enumerate(topics):
-            r = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0,
-                                               messages=[{"role": "user", "content": f"Explain {topic}."}])
-            tokens += r.usage.completion_tokens
-            print(f"  {label}: request {i + 1}/{n}, {r.usage.completion_tokens} tokens", file=sys.stderr)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            done = list(pool.map(lambda topic: request(client, model, topic, max_tokens), topics))
         wall = time.perf_counter() - t0
+        tokens = sum(t for t, _ in done)
+        ttft = [f for _, f in done]
+        print(f"  {label}: {n} requests, {tokens} tokens", file=sys.stderr)
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"label": label, "requests": n, "tokens": tokens, "seconds": wall,
-            "requests_per_minute": 60 * n / wall, "tokens_per_second": tokens / wall}
+    return {"label": label, "clients": clients, "requests": n, "tokens": tokens, "seconds": wall,
+            "requests_per_minute": 60 * n / wall, "tokens_per_second": tokens / wall,
+            "ttft_mean": statistics.mean(ttft), "ttft_max": max(ttft)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m)")
     p.add_argument("-d", "--draft", required=True, help="drafter GGUF")
     p.add_argument("-n", "--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--clients", type=int, default=1, help="requests in flight at once (default 1)")
     p.add_argument("--llama-server", metavar="PATH", help="also time upstream llama-server, plain")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     ours = [sys.executable, "-m", "dflash_local", "serve"] + (["-m", args.model] if args.model else [])
-    rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash"),
-            run(ours + ["--no-draft"], args.requests, args.max_tokens, "no drafter")]
+    k = args.clients
+    rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash", k),
+            run(ours + ["--no-draft"], args.requests, args.max_tokens, "no drafter", k)]
     if args.llama_server:
         from dflash_local.models import default_target
 
-        # our serve's defaults: context 4096, all cores
-        upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np", "1",
-                    "-c", "4096", "-t", str(os.cpu_count())]
-        rows.append(run(upstream, args.requests, args.max_tokens, "llama-server"))
-    print("| server | requests | tokens | seconds | requests/min | tokens/s |")
-    print("|---|---|---|---|---|---|")
+        # our serve's defaults: context 4096 (for each slot), all cores
+        upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np", str(k),
+                    "-c", str(4096 * k), "-t", str(os.cpu_count())]
+        rows.append(run(upstream, args.requests, args.max_tokens, f"llama-server -np {k}", k))
+    print("| server | clients | requests | tokens | seconds | requests/min | tokens/s | first token: mean, worst (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['requests']} | {r['tokens']} | {r['seconds']:.1f} | "
-              f"{r['requests_per_minute']:.1f} | {r['tokens_per_second']:.1f} |")
+        print(f"| {r['label']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['seconds']:.1f} | "
+              f"{r['requests_per_minute']:.1f} | {r['tokens_per_second']:.1f} | {r['ttft_mean']:.2f}, "
+              f"{r['ttft_max']:.2f} |")
     return 0
 
 

@@ -115,3 +115,21 @@ def test_the_prompt_lookup_peer_runs_from_the_repository_root(tiny_target, monke
     monkeypatch.chdir(Path(__file__).parents[1])
     speed, error = prompt_lookup_speed(tiny_target, {"prompt": "Hello world"}, 8, 2, 512)
     assert error is None and speed > 0
+
+
+def test_serve_chat_script_sends_from_several_clients_at_once(tiny_target, tiny_drafter, capsys):
+    """bench/serve_chat.py --clients K against the real server, with and without the drafter: every request answered,
+    the table's figures from the streams (tokens from the usage chunk, the first token's time)."""
+    path = Path(__file__).parents[1] / "bench" / "serve_chat.py"
+    spec = importlib.util.spec_from_file_location("serve_chat", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["-m", str(tiny_target), "-d", str(tiny_drafter), "-n", "5", "--max-tokens", "8",
+                        "--clients", "3"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == ["dflash", "no drafter"]
+    for r in rows:
+        clients, requests, tokens = (int(x) for x in r[1:4])
+        first_mean, first_worst = (float(x) for x in r[7].split(","))
+        assert clients == 3 and requests == 5 and 1 <= tokens <= 40 and 0 < first_mean <= first_worst
+
