@@ -310,6 +310,9 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from .server.app import serve
 
+    if args.parallel != 1:
+        raise ValueError(f"-np {args.parallel}: this server has one generation slot; more requests wait in its queue "
+                         f"(--max-queue). Parallel slots are not implemented yet: use -np 1")
     alias = args.alias or Path(_pair(args)[0]).stem
     return serve(args, lambda: _load_engine(args), alias, lambda: _load_engine(args, drafter=False))
 
@@ -452,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"), help="require this key (Bearer or x-api-key)")
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
+    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="generation slots (llama-server's flag): 1, the only value yet; other requests queue")
     s.add_argument("-n", "--n-predict", "--predict", type=_n_predict, metavar="N",
                    help="tokens to generate for a request that sets no max_tokens (default 2048; -1: until the "
                    "context is full)")

@@ -556,6 +556,43 @@ def test_disconnect_mid_stream_stops_the_generation_within_a_step(tiny_target, t
         s.stop()
 
 
+def test_slots_show_the_running_task_and_its_progress(tiny_target, tiny_drafter):
+    """GET /slots in llama-server's shape: idle before any request, the running task mid-generation (and 503 with
+    ?fail_on_no_slot=1 then), the finished task's counts after; /props says there is one slot."""
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=1024, draft_policy="fixed")
+    paused = engine.drafter = PausedDrafter(engine.drafter, at=3)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        assert httpx.get(s.url + "/props").json()["total_slots"] == 1
+        idle = httpx.get(s.url + "/slots").json()
+        assert idle == [{"id": 0, "n_ctx": 1024, "speculative": True, "is_processing": False}]
+        assert httpx.get(s.url + "/slots?fail_on_no_slot=1").status_code == 200
+        n_prompt = len(engine.prompt_tokens("Once"))
+        done = []
+        t = threading.Thread(target=lambda: done.append(httpx.post(
+            s.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 60, "temperature": 0}, timeout=60)))
+        t.start()
+        assert paused.reached.wait(60)  # inside the third step: two steps' tokens decoded
+        busy = httpx.get(s.url + "/slots").json()[0]
+        decoded = busy["next_token"][0]["n_decoded"]
+        assert busy["is_processing"] and busy["id_task"] == 1 and busy["n_prompt_tokens"] == n_prompt
+        assert decoded == paused.n_tokens_at_pause - n_prompt  # the prefill's token and two steps' tokens
+        assert busy["next_token"][0]["n_remain"] == 60 - decoded and busy["next_token"][0]["has_next_token"]
+        r = httpx.get(s.url + "/slots?fail_on_no_slot=1")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "no slot available"
+        paused.go.set()
+        t.join(60)
+        assert done[0].status_code == 200
+        n = done[0].json()["usage"]["completion_tokens"]
+        after = httpx.get(s.url + "/slots").json()[0]
+        assert not after["is_processing"] and after["id_task"] == 1
+        assert after["next_token"][0] == {"has_next_token": False, "n_remain": 60 - n, "n_decoded": n}
+    finally:
+        paused.go.set()
+        s.stop()
+
+
 def test_metrics(server, client):
     client.completions.create(model="tiny", prompt="count", max_tokens=5, temperature=0)
     text = httpx.get(server.url + "/metrics", headers=auth()).text
@@ -613,6 +650,12 @@ def test_serve_exits_with_an_error_for_a_bad_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_local", "serve", "-m", str(bad), "--port", str(free_port())],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not a GGUF" in r.stderr
+
+
+def test_serve_refuses_more_than_one_slot_with_one_line(tiny_target):
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "-np", "4", "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "-np 4: this server has one generation slot" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_huge_top_k_is_a_client_error(server):

@@ -21,7 +21,7 @@ from ..chat import output as chat_output
 from .errors import APIError, install_error_handlers
 from .logprobs import logprobs_body
 from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
-from .props import model_card, props
+from .props import model_card, props, slots
 from .stream import sse_events
 from .tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from ..engine.engine import Engine, Finished, Generation
@@ -146,6 +146,15 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         body = props(state.ready(), state.alias, state.n_predict)
         body["speculative"]["drafter_error"] = state.drafter_error
         return body
+
+    @app.get("/slots")
+    async def get_slots(request: Request, fail_on_no_slot: bool = False):
+        state.check_key(request)
+        engine = state.ready()
+        slot = state.runner.slot
+        if fail_on_no_slot and slot is not None and slot.processing:
+            raise APIError(503, "no slot available", "unavailable_error")
+        return slots(engine, slot)
 
     @app.post("/apply-template")
     async def apply_template(body: ChatRequest, request: Request):

@@ -72,3 +72,16 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
             "bit_exact_verify": engine.bit_exact,
         },
     }
+
+
+def slots(engine: Engine, slot) -> list[dict]:
+    """GET /slots in llama-server's shape, for the one slot (id 0): its context, whether it drafts, and the running
+    task's progress (or the last task's, once done)."""
+    out = {"id": 0, "n_ctx": engine.n_ctx, "speculative": engine.has_drafter or engine.ngram is not None,
+           "is_processing": slot is not None and slot.processing}
+    if slot is not None:
+        out |= {"id_task": slot.id_task, "n_prompt_tokens": slot.n_prompt, "n_prompt_tokens_cache": slot.n_cached,
+                "next_token": [{"has_next_token": slot.processing, "n_remain": slot.max_tokens - slot.n_decoded,
+                                "n_decoded": slot.n_decoded}]}
+    return [out]
+

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 
-from ..engine.engine import Engine, Generation
+from ..engine.engine import Engine, Finished, Generation
+from ..engine.stats import StepStats
 
 
 class QueueFullError(RuntimeError):
@@ -34,11 +36,26 @@ class Job:
         return ev
 
 
+@dataclass
+class Slot:
+    """The engine's one generation slot as GET /slots shows it: the running task, or the last one once it is done.
+    The worker thread updates the counts; the server reads them."""
+
+    id_task: int
+    n_prompt: int
+    max_tokens: int
+    n_decoded: int = 0
+    n_cached: int = 0  # prompt tokens reused from the previous generation's cache (known once it finishes)
+    processing: bool = True
+
+
 class Runner:
     def __init__(self, engine: Engine, max_queue: int = 32):
         self.engine = engine
         self.max_queue = max_queue
         self.waiting = 0
+        self.tasks = 0  # generations started, the last one's id
+        self.slot: Slot | None = None  # None until the first generation starts
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order
 
     def submit(self, generation: Generation) -> Job:
@@ -61,6 +78,8 @@ class Runner:
             job.events.put_nowait(_DONE)
             return
         loop = asyncio.get_running_loop()
+        self.tasks += 1
+        slot = self.slot = Slot(self.tasks, len(generation.ids), generation.max_tokens)
 
         def put(ev):
             loop.call_soon_threadsafe(job.events.put_nowait, ev)
@@ -70,6 +89,10 @@ class Runner:
                 gen = self.engine.run(generation)
                 try:
                     for ev in gen:
+                        if isinstance(ev, StepStats):  # the prefill's token, then what each step added
+                            slot.n_decoded = max(slot.n_decoded, 1) + ev.n_tokens
+                        elif isinstance(ev, Finished):
+                            slot.n_decoded, slot.n_cached = len(ev.token_ids), ev.summary.n_cached
                         put(ev)
                         if job.cancel.is_set():
                             break
@@ -78,6 +101,7 @@ class Runner:
             except Exception as e:  # reported to the caller, who turns it into an HTTP error
                 put(e)
             finally:
+                slot.processing = False
                 put(_DONE)
                 # the engine is free only now: the next request starts after this one has really stopped
                 loop.call_soon_threadsafe(self._lock.release)
