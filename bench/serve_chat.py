@@ -64,7 +64,10 @@ def run(argv: list[str], n: int, max_tokens: int, label: str, clients: int = 1) 
     try:
         while True:
             try:
-                if httpx.get(url + "/health").status_code == 200:
+                health = httpx.get(url + "/health")
+                if health.status_code == 200:
+                    if health.json().get("drafter_error"):  # ours serves without the drafter then: not this row
+                        raise SystemExit(f"{label}: the drafter did not load: {health.json()['drafter_error']}")
                     break
             except httpx.ConnectError:
                 pass
@@ -98,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=1, help="requests in flight at once (default 1)")
     p.add_argument("--llama-server", metavar="PATH", help="also time upstream llama-server, plain")
     args = p.parse_args(argv)
+    # the servers run from a neutral folder (see run): paths as the user gave them, relative to here
+    for name in ("model", "draft", "llama_server"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     ours = [sys.executable, "-m", "dflash_local", "serve"] + (["-m", args.model] if args.model else [])
     k = args.clients
     rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash", k),
