@@ -149,7 +149,8 @@ class ProfileDrafter(Drafter):
 
     def draft(self, tokens: list[int], n: int) -> list[int]:
         j = len(tokens) - self.n_prompt
-        draft = list(self.continuation[j:j + n]) + [0] * max(0, n - len(self.continuation[j:j + n]))
+        draft = list(self.continuation[j:j + n])
+        draft += [0] * (n - len(draft))
         right = 0
         while right < n and self.rng.random() < self.q:
             right += 1
@@ -200,6 +201,7 @@ def main() -> None:
         plain.append(base)
         plain_s += len(base.token_ids) / base.summary.tokens_per_second
         plain_tokens += len(base.token_ids)
+    plain_speed = plain_tokens / plain_s
     # the drafter's own step at this shape (its drafts are random; only the time counts)
     e.draft_policy = "fixed"
     own = e.complete(**rows[0], max_tokens=16)
@@ -209,7 +211,7 @@ def main() -> None:
         q = continuation_probability(tau)
         for policy in ("auto", "fixed"):
             e.draft_policy = policy
-            secs = toks = steps = accepted = 0
+            secs = toks = steps = 0
             for i, (kw, base) in enumerate(zip(rows, plain)):
                 d = ProfileDrafter(len(e.prompt_tokens(**kw)), base.token_ids, e.target.n_vocab, q, seed=i)
                 t0 = time.perf_counter()
@@ -218,17 +220,15 @@ def main() -> None:
                 secs += len(spec.token_ids) / spec.summary.tokens_per_second
                 toks += len(spec.token_ids)
                 steps += spec.summary.steps
-                accepted += spec.summary.n_accepted
                 print(f"tau {tau} {policy} prompt {i + 1}: {spec.summary.tokens_per_second:.2f} tok/s "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-            plain_speed = plain_tokens / plain_s
             with_draft = toks / (secs + steps * draft_ms / 1000)
             results.append({"tau": tau, "q": q, "policy": policy, "tokens_per_second": toks / secs,
                             "speedup": (toks / secs) / plain_speed, "speedup_with_draft_cost": with_draft / plain_speed,
                             "tokens_per_step": toks / steps if steps else None, "lossless": True})
     report = {"shape": args.shape, **SHAPES[args.shape], "n_vocab": N_VOCAB, "model": model.name,
               "threads": placement.threads, "max_tokens": args.max_tokens, "prompts": len(rows),
-              "plain_tokens_per_second": plain_tokens / plain_s, "verify_ms": curve, "draft_ms_per_step": draft_ms,
+              "plain_tokens_per_second": plain_speed, "verify_ms": curve, "draft_ms_per_step": draft_ms,
               "llama_bench_ms": upstream, "rows": results,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
     text = json.dumps(report, indent=1)

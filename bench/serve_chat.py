@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import statistics
 import subprocess
 import sys
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+
+from dflash_local.llama_server import free_port
 
 TOPICS = [
     "the water cycle", "how a bicycle works", "the history of paper", "why the sky is blue", "binary search",
@@ -33,12 +34,6 @@ TOPICS = [
     "the Roman empire", "what a compiler does", "ocean tides", "how to plant a tree", "the speed of light",
     "a haiku about autumn",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(client: openai.OpenAI, model: str, topic: str, max_tokens: int) -> tuple[int, float]:

@@ -13,17 +13,12 @@ from pathlib import Path
 import pytest
 
 from dflash_local import _native
+from dflash_local.llama_server import free_port
 from dflash_local.rpc import parse_endpoints
 
 pytestmark = pytest.mark.skipif(not _native.supports_rpc(), reason="llama.cpp built without GGML_RPC")
 
 TESTS = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args, timeout=600):

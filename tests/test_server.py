@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,15 +20,10 @@ from scripted import Wrapping
 from dflash_local import Engine
 from dflash_local.chat.templates import read_template, render
 from dflash_local.engine.drafter import Drafter
+from dflash_local.llama_server import free_port
 from dflash_local.server.app import create_app
 
 KEY = "sk-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

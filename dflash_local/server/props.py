@@ -54,7 +54,7 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
         "model_path": info["target"]["file"],
         "model_ftype": info["ftype"],
         "modalities": {"vision": False, "audio": False, "video": False},
-        "endpoint_slots": False,
+        "endpoint_slots": True,
         "endpoint_props": False,
         "endpoint_metrics": True,
         "chat_template": engine.chat_template or "",
@@ -77,7 +77,7 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
 def slots(engine: Engine, slot) -> list[dict]:
     """GET /slots in llama-server's shape, for the one slot (id 0): its context, whether it drafts, and the running
     task's progress (or the last task's, once done)."""
-    out = {"id": 0, "n_ctx": engine.n_ctx, "speculative": engine.has_drafter or engine.ngram is not None,
+    out = {"id": 0, "n_ctx": engine.n_ctx, "speculative": bool(engine.spec_types),
            "is_processing": slot is not None and slot.processing}
     if slot is not None:
         out |= {"id_task": slot.id_task, "n_prompt_tokens": slot.n_prompt, "n_prompt_tokens_cache": slot.n_cached,
