@@ -29,11 +29,13 @@ PYBIND11_MODULE(_native, m) {
 
     py::register_exception<NativeError>(m, "NativeError", PyExc_RuntimeError);
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
+    // llamafile's sgemm (a GGML_LLAMAFILE build) is batch-invariant from two rows on, and sessions give every
+    // target decode two rows at least there (Session::pad)
     m.def("cpu_matmul_batch_invariant", []() {
         const char * tiled = getenv("GGML_CPU_TILED_MM");
-        const bool llamafile = std::string(llama_print_system_info()).find("LLAMAFILE = 1") != std::string::npos;
-        return tiled && std::string(tiled) == "0" && !llamafile;
+        return tiled && std::string(tiled) == "0";
     }, "Whether CPU matmuls give a verify-batch row the same bits as a single-token decode.");
+    m.def("sgemm_built_in", &sgemm_built_in, "Whether this llama.cpp has llamafile's sgemm (GGML_LLAMAFILE).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("supports_rpc", []() { return llama_supports_rpc(); });
     m.def("add_rpc_server", &add_rpc_server, py::arg("endpoint"),
@@ -225,6 +227,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_rs_seq", &Session::snapshots)
         .def_property_readonly("checkpoint_pos", &Session::checkpoint_pos)
         .def_property_readonly("n_pending", &Session::pending_rows)
+        .def_property_readonly("pads_rows", &Session::pads_rows)
         .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture)
         .def("set_head_on_demand", &Session::set_head_on_demand, py::arg("on"))

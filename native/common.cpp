@@ -4,6 +4,7 @@
 #include "common.h"
 
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 
 static thread_local LogScope * t_scope = nullptr;
@@ -111,4 +112,10 @@ llama_batch_ext * new_batch(llama_context * ctx) {
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Whether this llama.cpp was built with llamafile's sgemm (GGML_LLAMAFILE), which ggml uses for two rows or more.
+bool sgemm_built_in() {
+    static const bool on = std::strstr(llama_print_system_info(), "LLAMAFILE = 1") != nullptr;
+    return on;
 }

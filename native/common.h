@@ -68,6 +68,7 @@ void process(llama_context * ctx, llama_batch_ext * batch, const std::string & w
 const float * logits_row(llama_context * ctx, int32_t i, const std::string & what);
 llama_batch_ext * new_batch(llama_context * ctx);
 double ms_since(std::chrono::steady_clock::time_point t0);
+bool sgemm_built_in();
 
 // llama.cpp's RPC backend (rpc.cpp)
 int add_rpc_server(const std::string & endpoint);

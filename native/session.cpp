@@ -3,9 +3,12 @@
 
 #include "session.h"
 
+#include <ggml-cpu.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -86,8 +89,12 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
     }
     check_tokens(tokens);
     return transaction([&] {
-        for (size_t off = 0; off < tokens.size(); off += n_batch) {
-            const size_t n = std::min<size_t>(n_batch, tokens.size() - off);
+        const int n_ub = (int) llama_n_ubatch(ctx_tgt);
+        for (size_t off = 0, n; off < tokens.size(); off += n) {
+            n = std::min<size_t>(n_batch, tokens.size() - off);
+            if (pad && n > 1 && (int) n % n_ub == 1) {
+                --n;  // no ubatch of one row: the next chunk takes the token
+            }
             const bool last_chunk = off + n == tokens.size();
             decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
             if (ctx_dft && capture) {
@@ -98,7 +105,7 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
         if (!s) {
             return LLAMA_TOKEN_NULL;
         }
-        return s->next(logits_row(ctx_tgt, -1, "target"), index, cand);
+        return s->next(target_row(-1), index, cand);
     });
 }
 
@@ -221,7 +228,7 @@ std::pair<py::array_t<int32_t>, py::array_t<float>> Session::decode_rows(const s
     if (top_k < 1 || top_k > n_vocab) {
         throw std::invalid_argument("top_k must be 1.." + std::to_string(n_vocab));
     }
-    const int n_seq = (int) llama_n_seq_max(ctx_tgt);
+    const int n_seq = n_seq_user;
     for (int i = 0; i < n; ++i) {
         if (seq[i] < 0 || seq[i] >= n_seq || pos[i] < 0 || pos[i] >= n_ctx) {
             throw std::out_of_range("row " + std::to_string(i) + ": sequence " + std::to_string(seq[i]) +
@@ -293,7 +300,7 @@ std::pair<py::array_t<int32_t>, py::array_t<float>> Session::decode_rows(const s
 
 // Forget every position of one sequence of decode_rows.
 void Session::drop_sequence(int seq) {
-    if (seq < 0 || seq >= (int) llama_n_seq_max(ctx_tgt)) {
+    if (seq < 0 || seq >= n_seq_user) {
         throw std::out_of_range("no sequence " + std::to_string(seq));
     }
     LogScope log(verbose);
@@ -314,7 +321,7 @@ py::array_t<float> Session::features() const {
 // Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output).
 const float * Session::target_row(int i) {
     if (hidden_rows == 0) {
-        return logits_row(ctx_tgt, i, "target");
+        return logits_row(ctx_tgt, i < 0 ? i + n_rows : i, "target");  // the scratch row's are not ours
     }
     i = i < 0 ? i + hidden_rows : i;  // on demand, every row is an output
     if (i < 0 || i >= hidden_rows) {
@@ -347,6 +354,11 @@ void Session::compute_head(int i0, int i1) {
     if (head_set_threads) {
         head_set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
     }
+    if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
+        head_vec_dot(i0, r);
+        head_ms += ms_since(t0);
+        return;
+    }
     ggml_init_params ip = {ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false), nullptr, true};
     ggml_context * g = ggml_init(ip);
     if (!g) {
@@ -364,6 +376,44 @@ void Session::compute_head(int i0, int i1) {
         fail("the LM head failed (ggml status " + std::to_string((int) st) + ")");
     }
     head_ms += ms_since(t0);
+}
+
+// pad: rows [i0, i0 + r) of the LM head with ggml's one-row kernel (vec_dot), each row's bits those of llama.cpp's
+// head for a prompt's one output row; as ggml's own loop does, the rows go through the matrix in blocks of 16
+// matrix rows, each block read once for every row. (ggml's matmul would give two rows or more to sgemm.)
+void Session::head_vec_dot(int i0, int r) {
+    const int n_vocab = tgt.n_vocab();
+    const ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(head_w->type);
+    const ggml_type vt = tw->vec_dot_type;
+    const size_t xrow = ggml_row_size(vt, n_embd);
+    head_q.resize((size_t) r * xrow);
+    for (int j = 0; j < r; ++j) {  // as ggml converts a matmul's rows to the kernel's type
+        const float * src = &hidden[(size_t) (i0 + j) * n_embd];
+        if (vt == GGML_TYPE_F32) {
+            std::memcpy(&head_q[j * xrow], src, xrow);
+        } else {
+            ggml_get_type_traits_cpu(vt)->from_float(src, &head_q[j * xrow], n_embd);
+        }
+    }
+    const char * w = (const char *) head_w->data;
+    const size_t wrow = head_w->nb[1];
+    float * out = &head_logits[(size_t) i0 * n_vocab];
+    auto work = [&](int v0, int v1) {
+        for (int b0 = v0; b0 < v1; b0 += 16) {
+            const int b1 = std::min(v1, b0 + 16);
+            for (int j = 0; j < r; ++j) {
+                for (int v = b0; v < b1; ++v) {
+                    tw->vec_dot(n_embd, &out[(size_t) j * n_vocab + v], 0, w + v * wrow, 0, &head_q[j * xrow], 0, 1);
+                }
+            }
+        }
+    };
+    const int nth = std::max(1, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+    // ggml's OpenMP team, whose threads would otherwise spin beside ours
+#pragma omp parallel for num_threads(nth) schedule(static, 1)
+    for (int t = 0; t < nth; ++t) {
+        work((int) ((int64_t) n_vocab * t / nth), (int) ((int64_t) n_vocab * (t + 1) / nth));
+    }
 }
 
 // Everything llama.cpp would assert on (and abort the process) is checked here, before any context exists.
@@ -451,8 +501,13 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
     // Sequences share one unified cache: with a stream per sequence llama.cpp regroups a batch's rows by
     // sequence, and the eval callback needs them in batch order.
-    cp.n_seq_max = (uint32_t) o.n_seq;
-    cp.kv_unified = o.n_seq > 1;
+    // DFLASH_PAD_ROWS=1 or 0 forces it either way (tests of the mechanism where the build has no sgemm)
+    const char * force = std::getenv("DFLASH_PAD_ROWS");
+    pad = force ? std::strcmp(force, "1") == 0 : sgemm_built_in() && tgt.params.n_gpu_layers == 0;
+    pad = pad && o.n_batch >= 2 && o.n_ubatch >= 2;  // one-row ubatches: every row by vec_dot, exact as it is
+    n_seq_user = o.n_seq;
+    cp.n_seq_max = (uint32_t) (o.n_seq + pad);
+    cp.kv_unified = o.n_seq + pad > 1;
     // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
     // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
     // CPU computes on the CPU.
@@ -565,6 +620,9 @@ bool Session::keep(int n) {
         ok = n == prompt_ckpt_pos && restore_state(prompt_ckpt);
     }
     ok = ok && llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+    if (pad) {  // a decode that failed may have left its scratch row
+        ok = llama_memory_seq_rm(llama_get_memory(ctx_tgt), n_seq_user, -1, -1) && ok;
+    }
     if (ctx_dft) {
         ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
     }
@@ -628,9 +686,13 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     const auto t_step = std::chrono::steady_clock::now();
     StepResult r;
     // never verify past the end of the context or the batch
-    const int room = std::min(n_ctx - past - 1, n_batch - 1);
+    // (pad: nor into the last cell, which is decoded alone)
+    const int room = std::max(0, std::min(n_ctx - past - 1 - pad, n_batch - 1));
     r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
     r.draft.resize(s.grammar_prefix(r.draft));  // a draft token the grammar refuses could never be accepted
+    if (pad && !r.draft.empty() && ((int) r.draft.size() + 1) % (int) llama_n_ubatch(ctx_tgt) == 1) {
+        r.draft.pop_back();  // no ubatch of one row
+    }
 
     std::vector<llama_token> block;
     block.reserve(r.draft.size() + 1);
@@ -646,8 +708,9 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     }
 
     const auto t1 = std::chrono::steady_clock::now();
-    // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split
-    decode_target(block.data(), (int) block.size(), past, r.draft.empty() ? LogitsAll : LogitsOnDemand);
+    // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
+    // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
+    decode_target(block.data(), (int) block.size(), past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand);
     r.verify_ms = ms_since(t1);
     head_ms = 0.0;
 
@@ -709,12 +772,34 @@ void Session::decode_target(const llama_token * toks, int n, int pos0, Logits lo
     for (int i = 0; i < n; ++i) {
         add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1));
     }
-    run_target(n, all ? n : logits == LogitsLast ? 1 : 0, logits == LogitsOnDemand);
+    // the scratch row is an output where every row is one, so that the last layer computes both rows
+    const int n_real_out = all ? n : logits == LogitsLast ? 1 : 0;
+    const bool scratch = add_scratch(toks[0], n, pos0, all);
+    run_target(n + scratch, n_real_out + (scratch && all), logits == LogitsOnDemand, n, n_real_out);
+}
+
+// pad: a one-row decode of n tokens at pos0 gets the scratch row (its token again, with logits if `output`), where
+// the cache has a cell for it. Returns whether it did.
+bool Session::add_scratch(llama_token tok, int n, int pos0, bool output) {
+    if (!pad || n != 1 || pos0 + 2 > n_ctx) {
+        return false;
+    }
+    add_token(batch_tgt, tok, 0, output, n_seq_user);
+    return true;
+}
+
+void Session::drop_scratch() {
+    if (pad && !llama_memory_seq_rm(llama_get_memory(ctx_tgt), n_seq_user, -1, -1)) {
+        fail("the KV cache could not drop the scratch row");
+    }
 }
 
 // Decode the n rows in batch_tgt (n_outputs of them with logits) and collect their features; on_demand: every
-// row is an output, and its LM head waits for target_row() where head_w allows.
-void Session::run_target(int n, int n_outputs, bool on_demand) {
+// row is an output, and its LM head waits for target_row() where head_w allows. The first n_real rows are the
+// caller's (n_real_out of them outputs), a scratch row may follow (pad).
+void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n_real_out) {
+    n_real = n_real < 0 ? n : n_real;
+    n_real_out = n_real_out < 0 ? n_outputs : n_real_out;
     const size_t width = layers.size() * (size_t) n_embd;
     lazy = on_demand && head_on_demand && head_w;
     probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
@@ -731,12 +816,16 @@ void Session::run_target(int n, int n_outputs, bool on_demand) {
     if (!layer_api) {
         cb_rows.resize((size_t) n * n_embd);
     }
-    n_out = 0;
+    n_out = n_rows = 0;
     collecting = true;
     process(ctx_tgt, batch_tgt, "target decode");
-    n_out = n_outputs;
     llama_synchronize(ctx_tgt);
     collecting = false;
+    if (n > n_real) {
+        drop_scratch();
+    }
+    n_out = n_real_out;
+    n_rows = n_real;
     if (probing) {
         head_probed = true;
         probing = false;
@@ -749,17 +838,18 @@ void Session::run_target(int n, int n_outputs, bool on_demand) {
         if (norm_seen != n) {
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
-        hidden_rows = n;
+        hidden_rows = n_real;
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;
     } else if (layer_api) {
+        feat_rows = n_real;
         for (size_t k = 0; k < layers.size(); ++k) {
             const float * src = llama_get_embeddings_layer_inp(ctx_tgt, (uint32_t) layers[k]);
             if (!src) {
                 fail("no features for layer " + std::to_string(layers[k]));
             }
-            for (int i = 0; i < n; ++i) {
+            for (int i = 0; i < n_real; ++i) {
                 std::memcpy(&feats[i * width + k * n_embd], src + (size_t) i * n_embd, n_embd * sizeof(float));
             }
         }
@@ -770,6 +860,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand) {
                      " rows of layer " + std::to_string(layers[k]));
             }
         }
+        feat_rows = n_real;
     }
 }
 
@@ -838,9 +929,13 @@ void Session::replay(const llama_token * toks, int n, int pos0) {
     for (int i = 0; i < n; ++i) {
         add_token(batch_tgt, toks[i], pos0 + i, false);
     }
-    n_out = 0;
+    const bool scratch = add_scratch(toks[0], n, pos0, false);
+    n_out = n_rows = 0;
     hidden_rows = 0;
     process(ctx_tgt, batch_tgt, "target replay");
+    if (scratch) {
+        drop_scratch();
+    }
 }
 
 // Keep the features of rows [0, n) of the last target decode, those of positions pos0.., for the drafter: they

@@ -95,6 +95,7 @@ public:
     int snapshots() const { return n_rs; }
     int pending_rows() const { return n_pending; }
     int checkpoint_pos() const { return prompt_ckpt_pos; }
+    bool pads_rows() const { return pad; }
 
     // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
     void set_capture(bool on) { capture = on; }
@@ -161,6 +162,22 @@ private:
     int n_embd = 0;
     int past = 0;
     int n_out = 0;  // output (logits) rows of the last target decode
+    int n_rows = 0; // rows of the last target decode, the scratch row not counted
+
+    // Batch invariance with llamafile's sgemm (a GGML_LLAMAFILE build, llama.cpp's default). Its kernels give an
+    // element of a product the same bits whatever the number of rows, but ggml calls them from two rows on only:
+    // a row alone goes to vec_dot, which rounds differently (the attention's f16 products too, in every model).
+    // So with such a build and the target on the CPU (pad), no position's layers are computed in a row of their
+    // own: a one-token decode carries a scratch row (its token again, at position 0 of a sequence of its own,
+    // dropped right after), and no batch leaves a ubatch of one row. A plain step's scratch row is an output, as
+    // every row of a verify block is, so that the last layer (which computes only the output rows) sees two rows
+    // there too. The LM head on demand goes the other way: every row by vec_dot, in our own loop, as llama.cpp
+    // computes a prompt's one output row, so that a plain step pays for one row of it (two by sgemm cost what two
+    // by vec_dot do). The last cell of the context has no room for a scratch row: no verify block reaches it, and
+    // it is decoded alone in every mode. Measured in docs/measurements.md ("A llamafile build").
+    bool pad = false;
+    int n_seq_user = 1;                // sequences of decode_rows; the scratch row's is the next one
+    std::vector<char> head_q;          // head rows converted to the kernel's type (pad)
 
     // Recurrent (and hybrid) targets: their recurrent state cannot drop positions like a KV cache. llama.cpp keeps
     // per-token snapshots of the last decode (n_rs of them, where the architecture supports it); a rollback longer
@@ -211,6 +228,7 @@ private:
 
     const float * target_row(int i);
     void compute_head(int i0, int i1);
+    void head_vec_dot(int i0, int r);
     void check_arguments(const ContextOptions & o);
     void create_contexts(const ContextOptions & o, int n_rs_seq);
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
@@ -228,7 +246,9 @@ private:
     StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
                               uint64_t index, bool rejection);
     void decode_target(const llama_token * toks, int n, int pos0, Logits logits);
-    void run_target(int n, int n_outputs, bool on_demand = false);
+    bool add_scratch(llama_token tok, int n, int pos0, bool output);
+    void drop_scratch();
+    void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);
     static bool eval_cb(ggml_tensor * t, bool ask, void * user);
     void replay(const llama_token * toks, int n, int pos0);
     void defer(int pos0, int n);

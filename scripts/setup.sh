@@ -13,10 +13,16 @@ VENV=${VENV:-.venv}
 # shellcheck source=/dev/null
 . "$VENV/bin/activate"
 
-# llama.cpp is built without llamafile's sgemm: it rounds a verify batch differently from a single-token decode,
-# which would break bit-exact greedy verification on CPUs (docs/lossless.md); and with the RPC backend, for
-# targets spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
+# llama.cpp is built without llamafile's sgemm: it never computes a row alone, so with it the engine stays bit-exact
+# only by giving every target decode a second row, which costs a plain step of a K-quant model about 1.6x
+# (docs/lossless.md; CMAKE_ARGS=-DGGML_LLAMAFILE=ON builds it in, exact too); and with the RPC backend, for targets
+# spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
 LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
+# the llamafile setting asked for: the last one given, as CMake takes it
+case $(printf '%s\n' $LLAMA_CMAKE_ARGS | sed -n 's/^-DGGML_LLAMAFILE=//p' | tail -n 1 | tr '[:lower:]' '[:upper:]') in
+ON | 1 | TRUE | YES) llamafile=1 ;;
+*) llamafile=0 ;;
+esac
 
 # ggml builds with GGML_NATIVE (-march=native), so a wheel, and a venv it went into, run only on CPUs with the same
 # instruction-set extensions (elsewhere: SIGILL). Both record this CPU's flags, one a line, sorted, and are reused
@@ -55,7 +61,7 @@ whls=("$wheels"/llama_cpp_python-0.3.36-*.whl)
 record="$VENV/llama-cpp-cpu-flags"
 
 # llama.cpp in the venv is kept if it is 0.3.36 built for this CPU (the recorded flags are compared before anything
-# imports it, since a build for another CPU can die of SIGILL on import), without llamafile and with RPC
+# imports it, since a build for another CPU can die of SIGILL on import), with llamafile as asked and with RPC
 action=install
 installed=$(python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)
 if [ "$installed" = 0.3.36 ]; then
@@ -63,10 +69,10 @@ if [ "$installed" = 0.3.36 ]; then
         echo "llama.cpp in $VENV has no recorded CPU flags (installed by an older setup.sh): replacing it"
     elif [ "$(cat "$record")" != "$flags" ]; then
         echo "llama.cpp in $VENV was built for another CPU ($(flags_diff "$record")): replacing it"
-    elif python - <<'PY' 2>/dev/null
-import sys, llama_cpp
-ok = (llama_cpp.__version__ == "0.3.36" and b"LLAMAFILE = 1" not in llama_cpp.llama_print_system_info()
-      and llama_cpp.llama_supports_rpc())
+    elif LLAMAFILE=$llamafile python - <<'PY' 2>/dev/null
+import os, sys, llama_cpp
+ok = (llama_cpp.__version__ == "0.3.36" and llama_cpp.llama_supports_rpc()
+      and (b"LLAMAFILE = 1" in llama_cpp.llama_print_system_info()) == (os.environ["LLAMAFILE"] == "1"))
 sys.exit(0 if ok else 1)
 PY
     then

@@ -55,8 +55,9 @@ def project(tmp_path):
     return tmp_path
 
 
-def plan(project: Path, cpu: str) -> tuple[str, str]:
-    """Run setup.sh in plan mode on a CPU with these flags; (its one-line messages, its plan line)."""
+def plan(project: Path, cpu: str, cmake_args: str | None = None) -> tuple[str, str]:
+    """Run setup.sh in plan mode on a CPU with these flags (and CMAKE_ARGS); (its one-line messages, its plan
+    line)."""
     cpuinfo = project / "cpuinfo"
     # like /proc/cpuinfo: one block per processor; an "fpu : yes" line that is not the flags
     cpuinfo.write_text(
@@ -67,6 +68,8 @@ def plan(project: Path, cpu: str) -> tuple[str, str]:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("CMAKE_ARGS", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     env.update(VENV=".venv", SETUP_PLAN_ONLY="1", DFLASH_CPUINFO=str(cpuinfo))
+    if cmake_args is not None:
+        env["CMAKE_ARGS"] = cmake_args
     r = subprocess.run(
         ["bash", str(project / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=60
     )
@@ -178,8 +181,12 @@ def test_no_recorded_flags_rebuilds_once(project):
 
 
 def test_the_old_checks_still_apply(project):
-    """Flags that match keep llama.cpp only if it is also built without llamafile and with RPC, as before."""
+    """Flags that match keep llama.cpp only if it is also built with llamafile as asked (off unless CMAKE_ARGS turns
+    it on) and with RPC, as before."""
     wheels = built(project, CPU_A)
     init = next((project / ".venv" / "lib").glob("python*/site-packages/llama_cpp/__init__.py"))
     init.write_text(init.read_text().replace("REPACK = 1", "LLAMAFILE = 1"))
     assert plan(project, CPU_A) == ("", f"plan: install wheel {wheels.relative_to(project)}/{WHEEL}")
+    assert plan(project, CPU_A, "-DGGML_LLAMAFILE=ON") == ("", "plan: reuse llama.cpp installed in .venv")
+    last_off = plan(project, CPU_A, "-DGGML_LLAMAFILE=on -DGGML_LLAMAFILE=OFF")  # the last one counts
+    assert last_off[1] != "plan: reuse llama.cpp installed in .venv"

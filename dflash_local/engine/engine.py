@@ -281,6 +281,7 @@ class Engine:
             "block_size": self.block_size,
             "feature_capture": "layer_api" if self.session.uses_layer_api else "callback",
             "bit_exact_verify": self.bit_exact,
+            "padded_decode": self.session.pads_rows,  # a llamafile build's second row (docs/lossless.md)
             "gpu_offload": _native.supports_gpu_offload(),
             "placement": self.placement_info(),
             "memory": {"target": self._memory("target"), "drafter": self._memory("drafter")},
