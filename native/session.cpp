@@ -505,6 +505,7 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     const char * force = std::getenv("DFLASH_PAD_ROWS");
     pad = force ? std::strcmp(force, "1") == 0 : sgemm_built_in() && tgt.params.n_gpu_layers == 0;
     pad = pad && o.n_batch >= 2 && o.n_ubatch >= 2;  // one-row ubatches: every row by vec_dot, exact as it is
+    pad = pad && !recurrent;  // see Session::pad
     n_seq_user = o.n_seq;
     cp.n_seq_max = (uint32_t) (o.n_seq + pad);
     cp.kv_unified = o.n_seq + pad > 1;
@@ -929,13 +930,9 @@ void Session::replay(const llama_token * toks, int n, int pos0) {
     for (int i = 0; i < n; ++i) {
         add_token(batch_tgt, toks[i], pos0 + i, false);
     }
-    const bool scratch = add_scratch(toks[0], n, pos0, false);
     n_out = n_rows = 0;
     hidden_rows = 0;
     process(ctx_tgt, batch_tgt, "target replay");
-    if (scratch) {
-        drop_scratch();
-    }
 }
 
 // Keep the features of rows [0, n) of the last target decode, those of positions pos0.., for the drafter: they

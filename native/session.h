@@ -174,7 +174,9 @@ private:
     // there too. The LM head on demand goes the other way: every row by vec_dot, in our own loop, as llama.cpp
     // computes a prompt's one output row, so that a plain step pays for one row of it (two by sgemm cost what two
     // by vec_dot do). The last cell of the context has no room for a scratch row: no verify block reaches it, and
-    // it is decoded alone in every mode. Measured in docs/measurements.md ("A llamafile build").
+    // it is decoded alone in every mode. Recurrent and hybrid targets are not padded: their recurrent layers multiply
+    // per sequence, one row each in a padded one-token decode, so sgemm still misses those rows (the engine says
+    // bit_exact_verify false for them on such a build). Measured in docs/measurements.md ("A llamafile build").
     bool pad = false;
     int n_seq_user = 1;                // sequences of decode_rows; the scratch row's is the next one
     std::vector<char> head_q;          // head rows converted to the kernel's type (pad)
