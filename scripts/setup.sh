@@ -14,7 +14,7 @@ VENV=${VENV:-.venv}
 . "$VENV/bin/activate"
 
 # llama.cpp is built without llamafile's sgemm: it never computes a row alone, so with it the engine stays bit-exact
-# only by giving every target decode a second row, which costs a plain step of a K-quant model about 1.6x
+# only by giving every target decode a second row, which costs a plain step of a K-quant model about 1.8x
 # (docs/lossless.md; CMAKE_ARGS=-DGGML_LLAMAFILE=ON builds it in, exact too); and with the RPC backend, for targets
 # spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
 LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
