@@ -58,7 +58,8 @@ def main() -> None:
     name = f"{args.kernels} (sgemm built in: {_native.sgemm_built_in()}, padded: {e.session.pads_rows})"
     curve = verify_cost_curve(e, 16, repeats=5)
     print(name, "T(k) ms:", " ".join(f"{k}:{v:.1f}" for k, v in curve.items()))
-    print(name, "T(k) ms, first draft rejected:", " ".join(f"{k}:{v:.1f}" for k, v in rejected_curve(e, 16).items()))
+    curve = verify_cost_curve(e, 16, repeats=5, rejected=True)
+    print(name, "T(k) ms, first draft rejected:", " ".join(f"{k}:{v:.1f}" for k, v in curve.items()))
 
     tokens = seconds = 0.0
     for row in load_prompts(ROOT / "bench" / "prompts.jsonl")[:6]:
@@ -76,33 +77,6 @@ def main() -> None:
         spec = e.complete(p, max_tokens=args.max_tokens, external_drafter=scripted)
         differ += own.token_ids != base.token_ids or spec.token_ids != base.token_ids
     print(name, f"exactness: {differ} of {len(prompts)} outputs differ from plain decoding")
-
-
-def rejected_curve(engine, block: int, repeats: int = 5) -> dict[int, float]:
-    """Median target time of verifying k tokens whose first draft is rejected: the layers of k rows and one row of
-    the LM head (k = 1: a plain step)."""
-    import statistics
-
-    from dflash_local import _native
-    from dflash_local.bench import DEFAULT_PROMPTS
-
-    s, sp = engine.session, _native.Sampling()
-    s.set_capture(False)
-    s.truncate(0)
-    engine.cache.clear()  # the session is driven by hand here
-    last = s.prefill(engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"]), sp, 0)
-    p0, curve = s.n_past, {}
-    wrong = (s.step(last, [], sp, 1).tokens[0] + 1) % engine.target.n_vocab  # not the target's next token
-    s.truncate(p0)
-    for k in range(1, block + 1):
-        times = []
-        for _ in range(repeats):
-            times.append(s.step(last, [wrong] * (k - 1), sp, 1, 1).verify_ms)
-            s.truncate(p0)
-        curve[k] = statistics.median(times)
-    s.truncate(0)
-    s.set_capture(True)
-    return curve
 
 
 if __name__ == "__main__":

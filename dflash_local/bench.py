@@ -69,9 +69,10 @@ def own_continuation(s, last: int, n: int, sp) -> list[int]:
     return out
 
 
-def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int, float]:
+def verify_cost_curve(engine: Engine, block: int, repeats: int = 5, rejected: bool = False) -> dict[int, float]:
     """Median target time T(k) for verifying k tokens, k = 1..block, whose drafts are all accepted (the target's own
-    greedy continuation: on CPUs the LM head runs only for the rows read, so this is a batch's full cost)."""
+    greedy continuation: on CPUs the LM head runs only for the rows read, so this is a batch's full cost); rejected:
+    whose first draft is rejected instead (the layers of k rows and one row of the head)."""
     s, sp = engine.session, _native.Sampling()
     s.set_capture(False)
     s.truncate(0)
@@ -80,13 +81,15 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5) -> dict[int,
     last = s.prefill(ids, sp, 0)
     s.checkpoint()  # a recurrent target's state comes back to p0 from here (a no-op for others)
     p0, own = s.n_past, own_continuation(s, last, block - 1, sp)
+    if rejected:  # drafts of a token that is not the target's next one
+        own = [last] + [(own_continuation(s, last, 1, sp)[1] + 1) % engine.target.n_vocab] * (block - 1)
     s.step(last, own[1:block], sp, 1, block)  # untimed: the first batch of a size pays for its buffers
     s.truncate(p0)
     curve = {}
     for k in range(1, block + 1):
         times = []
         for _ in range(repeats):
-            r = s.step(last, own[1:k], sp, 1, k)
+            r = s.step(last, own[1:k], sp, 1, 1 if rejected else k)
             times.append(r.verify_ms)
             s.truncate(p0)  # measure every k at the same place
         curve[k] = statistics.median(times)

@@ -342,6 +342,12 @@ void Session::compute_head(int i0, int i1) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     const int r = i1 - i0;
+    const int nth = (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
+    if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
+        head_vec_dot(i0, r, nth);
+        head_ms += ms_since(t0);
+        return;
+    }
     if (!head_cpu) {
         ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
         head_cpu = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
@@ -352,12 +358,7 @@ void Session::compute_head(int i0, int i1) {
             ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
     }
     if (head_set_threads) {
-        head_set_threads(head_cpu, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
-    }
-    if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
-        head_vec_dot(i0, r);
-        head_ms += ms_since(t0);
-        return;
+        head_set_threads(head_cpu, nth);
     }
     ggml_init_params ip = {ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false), nullptr, true};
     ggml_context * g = ggml_init(ip);
@@ -381,7 +382,7 @@ void Session::compute_head(int i0, int i1) {
 // pad: rows [i0, i0 + r) of the LM head with ggml's one-row kernel (vec_dot), each row's bits those of llama.cpp's
 // head for a prompt's one output row; as ggml's own loop does, the rows go through the matrix in blocks of 16
 // matrix rows, each block read once for every row. (ggml's matmul would give two rows or more to sgemm.)
-void Session::head_vec_dot(int i0, int r) {
+void Session::head_vec_dot(int i0, int r, int nth) {
     const int n_vocab = tgt.n_vocab();
     const ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(head_w->type);
     const ggml_type vt = tw->vec_dot_type;
@@ -408,7 +409,6 @@ void Session::head_vec_dot(int i0, int r) {
             }
         }
     };
-    const int nth = std::max(1, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
     // ggml's OpenMP team, whose threads would otherwise spin beside ours
 #pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
@@ -790,7 +790,7 @@ bool Session::add_scratch(llama_token tok, int n, int pos0, bool output) {
 }
 
 void Session::drop_scratch() {
-    if (pad && !llama_memory_seq_rm(llama_get_memory(ctx_tgt), n_seq_user, -1, -1)) {
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_tgt), n_seq_user, -1, -1)) {
         fail("the KV cache could not drop the scratch row");
     }
 }

@@ -230,7 +230,7 @@ private:
 
     const float * target_row(int i);
     void compute_head(int i0, int i1);
-    void head_vec_dot(int i0, int r);
+    void head_vec_dot(int i0, int r, int nth);
     void check_arguments(const ContextOptions & o);
     void create_contexts(const ContextOptions & o, int n_rs_seq);
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
