@@ -6,7 +6,8 @@
 Starts the real server (a subprocess on 127.0.0.1) once with the drafter and once with --no-draft, sends the same
 chat requests through the official openai client, streamed, and prints a Markdown table: requests per minute,
 aggregate tokens/s, and the time to the first token (mean and worst). --clients K sends them from K clients at once
-(each takes the next request when its last one is done); 1 (the default) sends them one after another. With
+(each takes the next request when its last one is done) to a server with K slots (`-np K`, 4096 tokens each); 1 (the
+default) sends them one after another, to one slot: its first-token times are an idle server's. With
 --llama-server, upstream llama-server (plain, the same context and threads, as many slots as clients: `-np K`) gets
 the same requests on its /v1/chat/completions, with its own chat template.
 """
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("model", "draft", "llama_server"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
-    ours = [sys.executable, "-m", "dflash_local", "serve"] + (["-m", args.model] if args.model else [])
     k = args.clients
+    ours = [sys.executable, "-m", "dflash_local", "serve", "-np", str(k)] + (["-m", args.model] if args.model else [])
     rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash", k),
             run(ours + ["--no-draft"], args.requests, args.max_tokens, "no drafter", k)]
     if args.llama_server:

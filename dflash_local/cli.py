@@ -28,8 +28,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-ngram-simple-size-m", type=int, default=NgramSpec.size_m, metavar="M",
                    help=f"ngram-simple: tokens drafted at most, those that followed the match (default "
                    f"{NgramSpec.size_m})")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096,
-                   help="context size in tokens (default 4096; 0: the model's trained context)")
+    p.add_argument("-c", "--ctx-size", type=int,
+                   help="context size in tokens (default 4096; 0: the model's trained context); serve splits it "
+                   "across its slots (default: 4096 each)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's trained size)")
     p.add_argument("--draft-backend", choices=["ggml", "torch"], default="ggml",
                    help="run the drafter in llama.cpp (ggml, default) or in PyTorch (torch)")
@@ -76,6 +77,24 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('must be a JSON object, such as \'{"enable_thinking": false}\'')
     return value
+
+
+def _slots(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of slots, 1 to 256")
+    return n
+
+
+def _slot_ctx(args) -> int:
+    """Each slot's context: -c split across serve's slots, as llama-server splits it (0 stays the model's trained
+    context, per slot); without -c, 4096 tokens each."""
+    if args.ctx_size is None:
+        return 4096
+    return args.ctx_size // getattr(args, "slots", 1) if args.ctx_size > 0 else args.ctx_size
 
 
 def _n_predict(text: str) -> int:
@@ -211,7 +230,8 @@ def _load_engine(args, drafter: bool = True):
     return Engine(
         model,
         draft,
-        n_ctx=args.ctx_size,
+        n_ctx=_slot_ctx(args),
+        n_slots=getattr(args, "slots", 1),  # serve's -np
         placement=from_args(args),
         block_size=args.block_size,
         capture=args.capture,
@@ -310,9 +330,6 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from .server.app import serve
 
-    if args.parallel != 1:
-        raise ValueError(f"-np {args.parallel}: this server has one generation slot; more requests wait in its queue "
-                         f"(--max-queue). Parallel slots are not implemented yet: use -np 1")
     alias = args.alias or Path(_pair(args)[0]).stem
     return serve(args, lambda: _load_engine(args), alias, lambda: _load_engine(args, drafter=False))
 
@@ -455,8 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"), help="require this key (Bearer or x-api-key)")
     s.add_argument("--alias", help="model name clients use (default: the target file's name)")
     s.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; more get 429")
-    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="generation slots (llama-server's flag): 1, the only value yet; other requests queue")
+    s.add_argument("-np", "--parallel", dest="slots", type=_slots, default=4, metavar="N",
+                   help="generation slots: requests served side by side, each in a cache of its own (default 4, as "
+                   "llama-server); -c is split across them; more requests queue")
     s.add_argument("-n", "--n-predict", "--predict", type=_n_predict, metavar="N",
                    help="tokens to generate for a request that sets no max_tokens (default 2048; -1: until the "
                    "context is full)")

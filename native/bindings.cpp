@@ -199,11 +199,12 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](Model & target, Model * drafter, std::vector<int> layers, int n_ctx, int n_threads,
                          bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
                          int n_ubatch, const std::string & type_k, const std::string & type_v,
-                         const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq, int n_seq) {
+                         const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq, int n_seq,
+                         bool kv_unified) {
                  const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
                  ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
                                   cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft), n_rs_seq,
-                                  n_seq};
+                                  n_seq, kv_unified};
                  return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
@@ -211,6 +212,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("n_threads_batch") = 0, py::arg("n_batch") = 512, py::arg("n_ubatch") = 512,
              py::arg("type_k") = "f16", py::arg("type_v") = "f16", py::arg("type_k_draft") = "f32",
              py::arg("type_v_draft") = "f32", py::arg("n_rs_seq") = -1, py::arg("n_seq") = 1,
+             py::arg("kv_unified") = false,
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("n_batch", &Session::batch_size)
         .def_property_readonly("n_ubatch", &Session::ubatch_size)
@@ -219,36 +221,44 @@ PYBIND11_MODULE(_native, m) {
         .def("memory", &Session::memory, py::arg("which") = "target")
         .def_property("verbose", [](const Session & ss) { return ss.verbose.load(); },
                       [](Session & ss, bool v) { ss.verbose = v; })
-        .def_property_readonly("n_past", &Session::n_past)
+        .def_property_readonly("n_past", [](const Session & ss) { return ss.n_past(0); })
+        .def("past", &Session::n_past, py::arg("slot"), "Positions in the caches of one slot (n_past: slot 0's).")
+        .def_property_readonly("n_slots", &Session::n_slots)
         .def_property_readonly("n_ctx", &Session::context_size)
         .def_property_readonly("has_drafter", &Session::has_drafter)
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
         .def_property_readonly("recurrent", &Session::is_recurrent)
         .def_property_readonly("n_rs_seq", &Session::snapshots)
-        .def_property_readonly("checkpoint_pos", &Session::checkpoint_pos)
-        .def_property_readonly("n_pending", &Session::pending_rows)
+        .def_property_readonly("checkpoint_pos", [](const Session & ss) { return ss.checkpoint_pos(0); })
+        .def("checkpoint_at", &Session::checkpoint_pos, py::arg("slot"))
+        .def_property_readonly("n_pending", [](const Session & ss) { return ss.pending_rows(0); })
         .def_property_readonly("pads_rows", &Session::pads_rows)
-        .def("checkpoint", &Session::checkpoint, py::call_guard<py::gil_scoped_release>())
-        .def("set_capture", &Session::set_capture)
+        .def("checkpoint", &Session::checkpoint, py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("set_capture", &Session::set_capture, py::arg("on"), py::arg("slot") = 0)
         .def("set_head_on_demand", &Session::set_head_on_demand, py::arg("on"))
         .def_property_readonly("head_on_demand", &Session::head_on_demand_active)
-        .def("truncate", &Session::truncate, py::call_guard<py::gil_scoped_release>())
+        .def("truncate", &Session::truncate, py::arg("n"), py::arg("slot") = 0,
+             py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),
-             py::call_guard<py::gil_scoped_release>())
-        .def("prefill", [](Session & ss, const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index) {
+             py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("prefill", [](Session & ss, const std::vector<llama_token> & tokens, const Sampling & s, uint64_t index,
+                           int slot) {
                  Sampler plain(ss.target(), s);
-                 return ss.prefill(tokens, &plain, index);
-             }, py::arg("tokens"), py::arg("sampling"), py::arg("index"), py::call_guard<py::gil_scoped_release>())
+                 return ss.prefill(tokens, &plain, index, slot);
+             }, py::arg("tokens"), py::arg("sampling"), py::arg("index"), py::arg("slot") = 0,
+             py::call_guard<py::gil_scoped_release>())
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
-             py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::call_guard<py::gil_scoped_release>())
-        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
-             py::arg("rejection") = false, py::arg("head_rows") = 1, py::call_guard<py::gil_scoped_release>())
-        .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
-                        uint64_t index, int head_rows) {
-                 Sampler plain(ss.target(), s);
-                 return ss.step(last, draft, plain, index, false, head_rows);
-             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"), py::arg("head_rows") = 1,
+             py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::arg("slot") = 0,
              py::call_guard<py::gil_scoped_release>())
+        .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
+             py::arg("rejection") = false, py::arg("head_rows") = 1, py::arg("slot") = 0,
+             py::call_guard<py::gil_scoped_release>())
+        .def("step", [](Session & ss, llama_token last, const std::vector<llama_token> & draft, const Sampling & s,
+                        uint64_t index, int head_rows, int slot) {
+                 Sampler plain(ss.target(), s);
+                 return ss.step(last, draft, plain, index, false, head_rows, slot);
+             }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"), py::arg("head_rows") = 1,
+             py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
         .def("features", &Session::features)
         .def("decode_rows", &Session::decode_rows, py::arg("tokens"), py::arg("pos"), py::arg("seq"),
              py::arg("top_k") = 1, py::call_guard<py::gil_scoped_release>())

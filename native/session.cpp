@@ -61,34 +61,48 @@ std::vector<std::tuple<std::string, size_t, size_t, size_t>> Session::memory(con
 
 // Forget everything from position n on, in both caches (n = 0 starts afresh; n > 0 reuses a cached prefix).
 // A recurrent state cannot be cut anywhere: a recurrent target goes back to 0 or to its checkpoint only.
-void Session::truncate(int n) {
-    if (n < 0 || n > past) {
-        throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " + std::to_string(past) +
-                                " cached tokens");
+void Session::truncate(int n, int slot) {
+    const Slot & sl = at(slot);
+    if (n < 0 || n > sl.past) {
+        throw std::out_of_range("truncate position " + std::to_string(n) + " outside the " +
+                                std::to_string(sl.past) + " cached tokens");
     }
-    if (recurrent && n != 0 && n != past && n != prompt_ckpt_pos) {
+    if (recurrent && n != 0 && n != sl.past && n != sl.prompt_ckpt_pos) {
         throw std::invalid_argument("the recurrent target can go back to position 0 or " +
-                                    std::to_string(prompt_ckpt_pos) + " (its checkpoint), not " +
+                                    std::to_string(sl.prompt_ckpt_pos) + " (its checkpoint), not " +
                                     std::to_string(n));
     }
     LogScope log(verbose);
-    if (!keep(n)) {
+    if (!keep(n, slot)) {
         fail("the KV cache could not drop the positions from " + std::to_string(n) +
              " on; both caches were emptied");
     }
 }
 
+Session::Slot & Session::at(int slot) {
+    if (slot < 0 || slot >= (int) slots.size()) {
+        throw std::out_of_range("no slot " + std::to_string(slot) + " (the session has " +
+                                std::to_string(slots.size()) + ")");
+    }
+    return slots[slot];
+}
+
+const Session::Slot & Session::at(int slot) const {
+    return const_cast<Session *>(this)->at(slot);
+}
+
 // Decode tokens after the cached ones, feed their features to the drafter and sample the next token
 // (generated token number `index`); without a sampler (a prompt chunk before the last), sample nothing: -1.
-llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index) {
+llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index, int slot) {
+    Slot & sl = at(slot);
     if (tokens.empty()) {
         throw std::invalid_argument("prefill needs at least one token");
     }
-    if (past + (int) tokens.size() >= n_ctx) {
+    if (sl.past + (int) tokens.size() >= n_ctx) {
         throw std::length_error("prompt does not fit in the context");
     }
     check_tokens(tokens);
-    return transaction([&] {
+    return transaction(slot, [&] {
         const int n_ub = (int) llama_n_ubatch(ctx_tgt);
         for (size_t off = 0, n; off < tokens.size(); off += n) {
             n = std::min<size_t>(n_batch, tokens.size() - off);
@@ -96,11 +110,11 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
                 --n;  // no ubatch of one row: the next chunk takes the token
             }
             const bool last_chunk = off + n == tokens.size();
-            decode_target(tokens.data() + off, (int) n, past, last_chunk ? LogitsLast : LogitsNone);
-            if (ctx_dft && capture) {
-                defer(past, (int) n);
+            decode_target(tokens.data() + off, (int) n, sl.past, last_chunk ? LogitsLast : LogitsNone, slot);
+            if (ctx_dft && sl.capture) {
+                defer(sl.past, (int) n, slot);
             }
-            past += (int) n;
+            sl.past += (int) n;
         }
         if (!s) {
             return LLAMA_TOKEN_NULL;
@@ -111,13 +125,14 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
 
 // Save the target's recurrent state at the current position: truncate() can come back to it later (one
 // checkpoint, replacing the previous one). A no-op for targets without recurrent memory.
-void Session::checkpoint() {
+void Session::checkpoint(int slot) {
+    Slot & sl = at(slot);
     if (!recurrent) {
         return;
     }
     LogScope log(verbose);
-    save_state(prompt_ckpt);
-    prompt_ckpt_pos = past;
+    save_state(sl.prompt_ckpt, slot);
+    sl.prompt_ckpt_pos = sl.past;
 }
 
 // The llama.cpp drafter's proposal for up to n_draft tokens after `last` (the newest token, not yet in the
@@ -125,7 +140,9 @@ void Session::checkpoint() {
 // With a sampler (rejection sampling) each draft token is drawn from the drafter's distribution at the
 // sampler's temperature instead of taken as its argmax, with the uniform of generated token index + i at draft
 // position i; the distributions are kept for step(..., rejection = true).
-Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index) {
+Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                     int slot) {
+    Slot & sl = at(slot);
     if (!ctx_dft) {
         throw std::logic_error("this session has no llama.cpp drafter");
     }
@@ -141,12 +158,12 @@ Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampl
                                     "chains its Markov head on greedy drafts");
     }
     check_tokens({last});
-    return transaction([&] {
+    return transaction(slot, [&] {
         Draft d;
-        q_tokens.clear();
+        sl.q_tokens.clear();
         if (n_draft > 0) {
-            flush();
-            draft_block(last, std::min(n_draft, max_draft), with_probs, sampler, index, d);
+            flush(slot);
+            draft_block(last, std::min(n_draft, max_draft), with_probs, sampler, index, d, slot);
         }
         return d;
     });
@@ -159,23 +176,24 @@ Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampl
 // (draft() with a sampler), which `draft` must be (a prefix of). head_rows: the verify rows the caller expects
 // to read (its expected accepted drafts + 1), the first batch of the LM head where it runs on demand.
 StepResult Session::step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
-                         bool rejection, int head_rows) {
+                         bool rejection, int head_rows, int slot) {
+    Slot & sl = at(slot);
     check_tokens({last});
     head_first = std::max(head_rows, 1);
     check_tokens(draft);
-    if (past + 1 > n_ctx) {
+    if (sl.past + 1 > n_ctx) {
         throw std::length_error("context is full");
     }
     if (rejection) {
         if (s.has_grammar() || s.sampling().temperature <= 0.0f) {
             throw std::invalid_argument("rejection sampling needs a temperature > 0 and no grammar");
         }
-        if (draft.size() > q_tokens.size() || !std::equal(draft.begin(), draft.end(), q_tokens.begin())) {
-            throw std::invalid_argument("rejection sampling verifies the draft this session last sampled");
+        if (draft.size() > sl.q_tokens.size() || !std::equal(draft.begin(), draft.end(), sl.q_tokens.begin())) {
+            throw std::invalid_argument("rejection sampling verifies the draft this slot last sampled");
         }
     }
-    StepResult r = transaction([&] { return step_unchecked(last, draft, s, index, rejection); });
-    q_tokens.clear();  // its distributions are spent
+    StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
+    sl.q_tokens.clear();  // its distributions are spent
     return r;
 }
 
@@ -236,12 +254,17 @@ std::pair<py::array_t<int32_t>, py::array_t<float>> Session::decode_rows(const s
                                     std::to_string(n_seq) + " sequences in a context of " + std::to_string(n_ctx));
         }
     }
+    if (!unified && std::any_of(seq.begin(), seq.end(), [&](int q) { return q != seq[0]; })) {
+        // a cache per sequence: llama.cpp regroups the rows by sequence, and features() would not be in batch order
+        throw std::invalid_argument("rows of several sequences in one batch need a unified cache (kv_unified)");
+    }
     check_tokens(tokens);
     LogScope log(verbose);
     llama_batch_ext_clear(batch_tgt);
     for (int i = 0; i < n; ++i) {
         add_token(batch_tgt, tokens[i], pos[i], true, seq[i]);
     }
+    capture = true;
     run_target(n, n);
     std::vector<int32_t> ids((size_t) n * top_k);
     std::vector<float> logprobs((size_t) n * top_k);
@@ -425,9 +448,12 @@ void Session::check_arguments(const ContextOptions & o) {
     if (o.n_ctx != 0 && o.n_ctx < 2) {
         throw std::invalid_argument("n_ctx must be 0 (the model's) or at least 2, got " + std::to_string(o.n_ctx));
     }
-    if (o.n_seq < 1 || o.n_seq > max_seq || (o.n_seq > 1 && dft)) {
-        throw std::invalid_argument("n_seq must be 1.." + std::to_string(max_seq) +
-                                    ", and 1 with a drafter, got " + std::to_string(o.n_seq));
+    if (o.n_seq < 1 || o.n_seq > max_seq) {
+        throw std::invalid_argument("n_seq must be 1.." + std::to_string(max_seq) + ", got " +
+                                    std::to_string(o.n_seq));
+    }
+    if (o.n_seq > 1 && o.kv_unified && dft) {
+        throw std::invalid_argument("slots that draft need a cache per sequence, not a unified one (kv_unified)");
     }
     if (o.n_threads < 1 || o.n_threads_batch < 1) {
         throw std::invalid_argument("thread counts must be at least 1");
@@ -494,21 +520,27 @@ void Session::check_arguments(const ContextOptions & o) {
 }
 
 void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
-    llama_context_params cp = context_params(o, o.n_ctx, o.n_batch, o.n_ubatch);
-    cp.type_k = o.type_k;
-    cp.type_v = o.type_v;
-    // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
-    cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
-    // Sequences share one unified cache: with a stream per sequence llama.cpp regroups a batch's rows by
-    // sequence, and the eval callback needs them in batch order.
     // DFLASH_PAD_ROWS=1 or 0 forces it either way (tests of the mechanism where the build has no sgemm)
     const char * force = std::getenv("DFLASH_PAD_ROWS");
     pad = force ? std::strcmp(force, "1") == 0 : sgemm_built_in() && tgt.params.n_gpu_layers == 0;
     pad = pad && o.n_batch >= 2 && o.n_ubatch >= 2;  // one-row ubatches: every row by vec_dot, exact as it is
     pad = pad && !recurrent;  // see Session::pad
+    // With a cache per sequence llama.cpp puts rows of two sequences in one ubatch only where their ids are
+    // consecutive, one row each: a slot's scratch row would need a sequence beside the slot's. One slot only.
+    pad = pad && o.n_seq == 1;
     n_seq_user = o.n_seq;
+    slots.assign(o.n_seq, Slot{});
+    // The scratch row shares the slot's cache (its cell is freed right after). n_ctx is each sequence's context:
+    // llama.cpp's n_ctx is the whole cache's.
+    unified = o.kv_unified || pad;
+    const int per_seq = o.n_ctx ? o.n_ctx : (int) llama_model_n_ctx_train(tgt.model);
+    llama_context_params cp = context_params(o, unified ? o.n_ctx : per_seq * o.n_seq, o.n_batch, o.n_ubatch);
+    cp.type_k = o.type_k;
+    cp.type_v = o.type_v;
+    // llama.cpp sets it back to 0 for architectures without snapshot rollback (qwen3next, mamba, rwkv, ...)
+    cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
     cp.n_seq_max = (uint32_t) (o.n_seq + pad);
-    cp.kv_unified = o.n_seq + pad > 1;
+    cp.kv_unified = unified;
     // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
     // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
     // CPU computes on the CPU.
@@ -521,7 +553,7 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     if (!ctx_tgt) {
         fail("failed to create the target context");
     }
-    n_ctx = (int) llama_n_ctx(ctx_tgt);
+    n_ctx = (int) llama_n_ctx_seq(ctx_tgt);
     n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
     n_rs = (int) llama_n_rs_seq(ctx_tgt);
     // llama.cpp keeps a decode's last n_rs + 1 tokens in one ubatch for its snapshots, and aborts the process
@@ -544,7 +576,9 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     // then needs every batch in one ubatch: the drafter's batch and ubatch are equal and hold a whole target
     // batch's features or a noise block.
     const int n_dft_batch = std::max(n_batch, block_size);
-    llama_context_params dp = context_params(o, n_ctx + block_size, n_dft_batch, n_dft_batch);
+    llama_context_params dp = context_params(o, (n_ctx + block_size) * o.n_seq, n_dft_batch, n_dft_batch);
+    dp.n_seq_max = (uint32_t) o.n_seq;
+    dp.kv_unified = false;
     dp.ctx_other = ctx_tgt;
     dp.type_k = o.type_k_draft;
     dp.type_v = o.type_v_draft;
@@ -592,10 +626,12 @@ void Session::free_all() {
     ctx_dft = ctx_tgt = nullptr;
 }
 
-// Run a call that changes the caches; if it throws, put the caches back as they were at its start.
-template <class F> auto Session::transaction(F && f) -> decltype(f()) {
+// Run a call on one slot that changes the caches; if it throws, put that slot's caches back as they were at its
+// start.
+template <class F> auto Session::transaction(int slot, F && f) -> decltype(f()) {
     LogScope log(verbose);
-    const int p0 = past;
+    Slot & sl = at(slot);
+    const int p0 = sl.past;
     try {
         return f();
     } catch (...) {
@@ -605,60 +641,76 @@ template <class F> auto Session::transaction(F && f) -> decltype(f()) {
         n_out = 0;
         collecting = false;
         draft_rows.clear();
-        q_tokens.clear();
+        sl.q_tokens.clear();
         lattice_rows.clear();
-        keep(recurrent ? 0 : p0);
+        keep(recurrent ? 0 : p0, slot);
         throw;
     }
 }
 
-// Make both caches hold the positions [0, n) only. If llama.cpp refuses to drop part of a sequence, empty both
-// and return false. A recurrent target's state is only known at past and at its checkpoint: elsewhere (a failed
-// call going back to its start, after decoding) it is emptied too.
-bool Session::keep(int n) {
+// Make both caches hold the positions [0, n) only of the slot's sequence. If llama.cpp refuses to drop part of it,
+// empty the sequence (should even that fail, every slot's) and return false. A recurrent target's state is only
+// known at past and at the checkpoint: elsewhere (a failed call going back to its start, after decoding) it is
+// emptied too.
+bool Session::keep(int n, int slot) {
+    Slot & sl = at(slot);
+    llama_memory_t mem_tgt = llama_get_memory(ctx_tgt);
+    llama_memory_t mem_dft = ctx_dft ? llama_get_memory(ctx_dft) : nullptr;
     bool ok = true;
-    if (recurrent && n != past && n != 0) {
-        ok = n == prompt_ckpt_pos && restore_state(prompt_ckpt);
+    if (recurrent && n != sl.past && n != 0) {
+        ok = n == sl.prompt_ckpt_pos && restore_state(sl.prompt_ckpt, slot);
     }
-    ok = ok && llama_memory_seq_rm(llama_get_memory(ctx_tgt), 0, n, -1);
+    ok = ok && llama_memory_seq_rm(mem_tgt, slot, n, -1);
     if (pad) {  // a decode that failed may have left its scratch row
-        ok = llama_memory_seq_rm(llama_get_memory(ctx_tgt), n_seq_user, -1, -1) && ok;
+        ok = llama_memory_seq_rm(mem_tgt, n_seq_user, -1, -1) && ok;
     }
-    if (ctx_dft) {
-        ok = llama_memory_seq_rm(llama_get_memory(ctx_dft), 0, n, -1) && ok;
+    if (mem_dft) {
+        ok = llama_memory_seq_rm(mem_dft, slot, n, -1) && ok;
     }
-    past = n;
+    sl.past = n;
     if (!ok) {
-        llama_memory_clear(llama_get_memory(ctx_tgt), false);
-        if (ctx_dft) {
-            llama_memory_clear(llama_get_memory(ctx_dft), false);
+        sl.past = 0;
+        const bool emptied = llama_memory_seq_rm(mem_tgt, slot, -1, -1) &&
+                             (!mem_dft || llama_memory_seq_rm(mem_dft, slot, -1, -1));
+        if (!emptied) {
+            llama_memory_clear(mem_tgt, false);
+            if (mem_dft) {
+                llama_memory_clear(mem_dft, false);
+            }
+            for (Slot & other : slots) {
+                const bool capture = other.capture;
+                other = Slot{};
+                other.capture = capture;
+            }
         }
-        past = 0;
     }
-    // deferred features of dropped positions go with them
-    dft_past = std::min(dft_past, past);
-    n_pending = std::clamp(past - dft_past, 0, n_pending);
-    if (prompt_ckpt_pos > past) {
-        prompt_ckpt_pos = -1;
-        prompt_ckpt.clear();
+    for (Slot & s : slots) {
+        // deferred features of dropped positions go with them
+        s.dft_past = std::min(s.dft_past, s.past);
+        s.n_pending = std::clamp(s.past - s.dft_past, 0, s.n_pending);
+        if (s.prompt_ckpt_pos > s.past) {
+            s.prompt_ckpt_pos = -1;
+            s.prompt_ckpt.clear();
+        }
     }
     return ok;
 }
 
-// The target's recurrent state (not its attention KV cache, which drops positions by itself).
-void Session::save_state(std::vector<uint8_t> & buf) {
-    buf.resize(llama_state_seq_get_size_ext(ctx_tgt, 0, partial));
-    if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) != buf.size()) {
+// The target's recurrent state of one slot (not its attention KV cache, which drops positions by itself).
+void Session::save_state(std::vector<uint8_t> & buf, int slot) {
+    buf.resize(llama_state_seq_get_size_ext(ctx_tgt, slot, partial));
+    if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), slot, partial) != buf.size()) {
         fail("could not save the target's recurrent state");
     }
 }
 
-bool Session::restore_state(const std::vector<uint8_t> & buf) {
-    return !buf.empty() && llama_state_seq_set_data_ext(ctx_tgt, buf.data(), buf.size(), 0, partial) == buf.size();
+bool Session::restore_state(const std::vector<uint8_t> & buf, int slot) {
+    return !buf.empty() &&
+           llama_state_seq_set_data_ext(ctx_tgt, buf.data(), buf.size(), slot, partial) == buf.size();
 }
 
-void Session::drop_from(llama_context * ctx, llama_pos p0, const char * which) {
-    if (!llama_memory_seq_rm(llama_get_memory(ctx), 0, p0, -1)) {
+void Session::drop_from(llama_context * ctx, llama_pos p0, const char * which, int slot) {
+    if (!llama_memory_seq_rm(llama_get_memory(ctx), slot, p0, -1)) {
         fail(std::string("the ") + which + " KV cache could not drop the positions from " + std::to_string(p0) +
              " on");
     }
@@ -683,7 +735,9 @@ void Session::add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool 
 }
 
 StepResult Session::step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
-                                   uint64_t index, bool rejection) {
+                                   uint64_t index, bool rejection, int slot) {
+    Slot & sl = at(slot);
+    const int past = sl.past;
     const auto t_step = std::chrono::steady_clock::now();
     StepResult r;
     // never verify past the end of the context or the batch
@@ -704,14 +758,15 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     const bool ckpt = recurrent && (int) r.draft.size() > n_rs;
     if (ckpt) {
         const auto t0 = std::chrono::steady_clock::now();
-        save_state(step_ckpt);
+        save_state(sl.step_ckpt, slot);
         r.rollback_ms += ms_since(t0);
     }
 
     const auto t1 = std::chrono::steady_clock::now();
     // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
     // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
-    decode_target(block.data(), (int) block.size(), past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand);
+    decode_target(block.data(), (int) block.size(), past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand,
+                  slot);
     r.verify_ms = ms_since(t1);
     head_ms = 0.0;
 
@@ -723,7 +778,7 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     for (;; ++a) {
         const float * row = target_row(a);
         const llama_token t = rejection && a < (int) r.draft.size()
-                                  ? s.judge(row, r.draft[a], &q_rows[a * n_vocab], index + a)
+                                  ? s.judge(row, r.draft[a], &sl.q_rows[a * n_vocab], index + a)
                                   : s.next(row, index + a, cand);
         r.tokens.push_back(t);
         if (a == (int) r.draft.size() || t != r.draft[a]) {
@@ -741,38 +796,39 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     if (n_drop > 0) {
         const auto t0 = std::chrono::steady_clock::now();
         if (!recurrent) {
-            drop_from(ctx_tgt, p0 + a + 1, "target");
+            drop_from(ctx_tgt, p0 + a + 1, "target", slot);
             r.rollback = "kv";
         } else if (n_drop <= n_rs) {
             // exact: within the last decode, and the anchor is always kept (see DESIGN, facts added later)
-            drop_from(ctx_tgt, p0 + a + 1, "target");
+            drop_from(ctx_tgt, p0 + a + 1, "target", slot);
             r.rollback = "snapshot";
         } else {
-            if (!restore_state(step_ckpt)) {
+            if (!restore_state(sl.step_ckpt, slot)) {
                 fail("could not restore the target's recurrent checkpoint");
             }
-            drop_from(ctx_tgt, p0, "target");
-            replay(block.data(), a + 1, p0);
+            drop_from(ctx_tgt, p0, "target", slot);
+            replay(block.data(), a + 1, p0, slot);
             r.rollback = "checkpoint";
         }
         r.rollback_ms += ms_since(t0);
     }
-    if (ctx_dft && capture) {
+    if (ctx_dft && sl.capture) {
         const auto t2 = std::chrono::steady_clock::now();
-        defer(p0, a + 1);
+        defer(p0, a + 1, slot);
         r.draft_ms += ms_since(t2);
     }
-    past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
+    sl.past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
     r.step_ms = ms_since(t_step);
     return r;
 }
 
-void Session::decode_target(const llama_token * toks, int n, int pos0, Logits logits) {
+void Session::decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot) {
     llama_batch_ext_clear(batch_tgt);
     const bool all = logits == LogitsAll || logits == LogitsOnDemand;
     for (int i = 0; i < n; ++i) {
-        add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1));
+        add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1), slot);
     }
+    capture = at(slot).capture;
     // the scratch row is an output where every row is one, so that the last layer computes both rows
     const int n_real_out = all ? n : logits == LogitsLast ? 1 : 0;
     const bool scratch = add_scratch(toks[0], n, pos0, all);
@@ -925,10 +981,10 @@ bool Session::eval_cb(ggml_tensor * t, bool ask, void * user) {
 
 // Decode n tokens again at pos0.. into the target's caches after a checkpoint restore, leaving the features and
 // logits of the verify batch untouched (the replay has no outputs: logits() has no rows after it).
-void Session::replay(const llama_token * toks, int n, int pos0) {
+void Session::replay(const llama_token * toks, int n, int pos0, int slot) {
     llama_batch_ext_clear(batch_tgt);
     for (int i = 0; i < n; ++i) {
-        add_token(batch_tgt, toks[i], pos0 + i, false);
+        add_token(batch_tgt, toks[i], pos0 + i, false, slot);
     }
     n_out = n_rows = 0;
     hidden_rows = 0;
@@ -940,44 +996,47 @@ void Session::replay(const llama_token * toks, int n, int pos0) {
 // they cost a drafter call at every plain step of the adaptive policy, which needs none of them until it drafts
 // again. The drafter's cache then holds the same K/V as with injection at every token: a feature row's K/V
 // depend on that row and its position only.
-void Session::defer(int pos0, int n) {
-    if (pos0 != dft_past + n_pending) {
+void Session::defer(int pos0, int n, int slot) {
+    Slot & sl = at(slot);
+    if (pos0 != sl.dft_past + sl.n_pending) {
         // positions decoded without capture lie between: the drafter never sees them (as before deferral)
-        flush();
-        dft_past = pos0;
+        flush(slot);
+        sl.dft_past = pos0;
     }
     const size_t width = layers.size() * (size_t) n_embd;
     const int cap = (int) llama_n_batch(ctx_dft);
     for (int i = 0; i < n;) {
-        const int take = std::min(n - i, cap - n_pending);
-        pending.resize((size_t) (n_pending + take) * width);
-        std::memcpy(&pending[(size_t) n_pending * width], &feats[(size_t) i * width], take * width * sizeof(float));
-        n_pending += take;
+        const int take = std::min(n - i, cap - sl.n_pending);
+        sl.pending.resize((size_t) (sl.n_pending + take) * width);
+        std::memcpy(&sl.pending[(size_t) sl.n_pending * width], &feats[(size_t) i * width],
+                    take * width * sizeof(float));
+        sl.n_pending += take;
         i += take;
-        if (n_pending == cap) {
-            flush();
+        if (sl.n_pending == cap) {
+            flush(slot);
         }
     }
 }
 
 // Inject the deferred features into the drafter's cache, in one batch.
-void Session::flush() {
-    if (n_pending == 0) {
+void Session::flush(int slot) {
+    Slot & sl = at(slot);
+    if (sl.n_pending == 0) {
         return;
     }
-    inject(dft_past, pending.data(), n_pending);
-    dft_past += n_pending;
-    n_pending = 0;
+    inject(sl.dft_past, sl.pending.data(), sl.n_pending, slot);
+    sl.dft_past += sl.n_pending;
+    sl.n_pending = 0;
 }
 
 // Write n rows of target features into the drafter's cache at positions pos0...
-void Session::inject(int pos0, const float * rows, int n) {
+void Session::inject(int pos0, const float * rows, int n, int slot) {
     // the previous noise block left its own K/V from pos0 on
-    drop_from(ctx_dft, pos0, "drafter");
+    drop_from(ctx_dft, pos0, "drafter", slot);
     const size_t width = layers.size() * (size_t) n_embd;
     llama_batch_ext_clear(batch_dft);
     for (int i = 0; i < n; ++i) {
-        const int32_t idx = llama_batch_ext_add_embd(batch_dft, 0, llama_embd{&rows[i * width], 1, width});
+        const int32_t idx = llama_batch_ext_add_embd(batch_dft, slot, llama_embd{&rows[i * width], 1, width});
         if (idx < 0) {
             fail("the drafter rejected the target features (width " + std::to_string(width) + ", code " +
                  std::to_string(idx) + ")");
@@ -997,8 +1056,10 @@ void Session::inject(int pos0, const float * rows, int n) {
 // head's estimates come back as rows of "nextn" embeddings (each row the value repeated); DFlash2 walks its
 // selector lattice.
 void Session::draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
-                          Draft & d) {
-    drop_from(ctx_dft, past, "drafter");
+                          Draft & d, int slot) {
+    Slot & sl = at(slot);
+    const int past = sl.past;
+    drop_from(ctx_dft, past, "drafter", slot);
     llama_batch_ext_clear(batch_dft);
     const int first = anchor_first ? 0 : 1;
     // DFlash reads logits: every row is marked as an output, the anchor too, since the dflash graph computes
@@ -1006,7 +1067,7 @@ void Session::draft_block(llama_token last, int n_draft, bool with_probs, const 
     // DFlash2 reads the lattice, which has every row anyway: logits only when they are kept for inspection.
     const bool logits = top_k == 0 || keep_draft;
     for (int i = 0; i < n_draft + first; ++i) {
-        add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits);
+        add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits, slot);
     }
     process(ctx_dft, batch_dft, "drafter decode");
     const int n_vocab = tgt.n_vocab();
@@ -1034,14 +1095,14 @@ void Session::draft_block(llama_token last, int n_draft, bool with_probs, const 
         const float * row = logits_row(ctx_dft, first + i, "drafter");
         if (sampler) {
             const Sampling & sp = sampler->sampling();
-            q_rows.resize((size_t) (i + 1) * n_vocab);
-            float * q = &q_rows[(size_t) i * n_vocab];
+            sl.q_rows.resize((size_t) (i + 1) * n_vocab);
+            float * q = &sl.q_rows[(size_t) i * n_vocab];
             const llama_token t = draw_tempered(row, n_vocab, sp.temperature,
                                                 uniform(second_seed(sp.seed, 1), index + i), q);
             if (t < 0) {
                 break;  // nothing to draw from: the draft ends here, and what came before is still judged exactly
             }
-            q_tokens.push_back(t);
+            sl.q_tokens.push_back(t);
             d.tokens.push_back(t);
             if (with_probs) {
                 d.probs.push_back(q[t]);

@@ -51,7 +51,14 @@ struct ContextOptions {
     ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation
     ggml_type type_v_draft = GGML_TYPE_F32;
     int n_rs_seq = -1;  // recurrent-state snapshots for rolling back drafts (-1: the drafter's longest draft)
-    int n_seq = 1;      // independent sequences in the target's cache (training data decodes several side by side)
+    // Independent sequences (llama.cpp's n_seq_max): a server's slots, each generating on its own (Session::Slot),
+    // or training data decoding several side by side (decode_rows). n_ctx is each sequence's context.
+    int n_seq = 1;
+    // One cache that every sequence shares (llama.cpp's --kv-unified): decode_rows' batches of several sequences
+    // need it (the rows then stay in batch order). Without it each sequence has a cache of its own, laid out as if
+    // it were alone: a slot's attention then sums its cells in the same order whatever the other slots hold, and
+    // its output is bit for bit that of the same request run alone.
+    bool kv_unified = false;
 };
 
 ggml_type cache_type(const std::string & name);
@@ -64,12 +71,16 @@ ggml_type cache_type(const std::string & name);
 // token, rolls back both caches (a recurrent target's state by snapshot, or by checkpoint and replay) and feeds the
 // accepted positions' target features to the drafter.
 //
+// A session has one or more slots (ContextOptions.n_seq), each a sequence of its own in both caches with its own
+// position, deferred drafter features and recurrent checkpoints: the calls that generate take the slot they work on.
+// Features, logits and the LM head on demand are those of the last target decode, whichever slot it was.
+//
 // Errors: bad arguments raise ValueError or IndexError before anything changes. A llama.cpp failure raises
 // NativeError, and the call that failed leaves the caches as they were at its start: both hold exactly the positions
 // [0, n_past) they held before (the drafter may also hold a stale noise block past them, which it always clears
 // before use). Should llama.cpp refuse even that rollback, or the target have recurrent memory (whose state at the
 // call's start is gone), both caches are emptied and n_past is 0. Either way the session stays usable and n_past
-// says what the caches hold.
+// says what the caches hold. (A failure touches the slot of the call only.)
 class Session {
 public:
     Session(Model & target, Model * drafter, std::vector<int> layers, const ContextOptions & opt, bool use_layer_api,
@@ -80,7 +91,8 @@ public:
 
     std::atomic<bool> verbose;  // print llama.cpp's log during this session's calls
 
-    int n_past() const { return past; }
+    int n_past(int slot = 0) const { return at(slot).past; }
+    int n_slots() const { return (int) slots.size(); }
     const Model & target() const { return tgt; }
     int context_size() const { return n_ctx; }
     bool has_drafter() const { return ctx_dft != nullptr; }
@@ -93,24 +105,25 @@ public:
     std::vector<std::tuple<std::string, size_t, size_t, size_t>> memory(const std::string & which) const;
     bool is_recurrent() const { return recurrent; }
     int snapshots() const { return n_rs; }
-    int pending_rows() const { return n_pending; }
-    int checkpoint_pos() const { return prompt_ckpt_pos; }
+    int pending_rows(int slot = 0) const { return at(slot).n_pending; }
+    int checkpoint_pos(int slot = 0) const { return at(slot).prompt_ckpt_pos; }
     bool pads_rows() const { return pad; }
 
-    // With capture off the target runs as plain decoding (the baseline): no features, no drafter updates.
-    void set_capture(bool on) { capture = on; }
+    // With capture off the slot runs as plain decoding (the baseline): no features, no drafter updates.
+    void set_capture(bool on, int slot = 0) { at(slot).capture = on; }
 
     // Whether verify batches of a CPU target compute their LM head only for the rows the accept loop reaches (on by
     // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
     void set_head_on_demand(bool on) { head_on_demand = on; }
     bool head_on_demand_active() const { return head_on_demand && head_w; }
 
-    void truncate(int n);
-    llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index);
-    void checkpoint();
-    Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index);
+    void truncate(int n, int slot = 0);
+    llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index, int slot = 0);
+    void checkpoint(int slot = 0);
+    Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
+                int slot = 0);
     StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
-                    bool rejection, int head_rows = 1);
+                    bool rejection, int head_rows = 1, int slot = 0);
     py::array_t<float> logits(int row);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
@@ -125,6 +138,23 @@ public:
     py::array_t<float> features() const;
 
 private:
+    // One slot's sequence (its seq_id is its index) and what the session keeps for it between calls.
+    struct Slot {
+        int past = 0;        // positions [0, past) are in both caches
+        bool capture = true;
+        // Deferred injection (defer): the drafter's cache holds the features of positions [0, dft_past), `pending`
+        // those of [dft_past, dft_past + n_pending), at most one drafter batch.
+        std::vector<float> pending;
+        int n_pending = 0;
+        int dft_past = 0;
+        // recurrent targets: the state before the current verify batch, and at prompt_ckpt_pos (the prefix cache)
+        std::vector<uint8_t> step_ckpt;
+        std::vector<uint8_t> prompt_ckpt;
+        int prompt_ckpt_pos = -1;
+        std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
+        std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
+    };
+
     // LogitsOnDemand: every row is an output, its LM head computed when target_row() first reads it (CPU targets)
     enum Logits { LogitsNone, LogitsLast, LogitsAll, LogitsOnDemand };
 
@@ -135,7 +165,7 @@ private:
     Model * dft;
     std::vector<int> layers;
     bool layer_api;
-    bool capture = true;
+    bool capture = true;  // the target decode running now captures features (its slot's setting)
     llama_context * ctx_tgt = nullptr;
     llama_context * ctx_dft = nullptr;
     llama_batch_ext * batch_tgt = nullptr;
@@ -154,13 +184,11 @@ private:
     int max_draft = 0;
     bool keep_draft = false;
     std::vector<float> draft_rows;  // [n_draft, n_vocab] logits of the last noise block, when kept
-    std::vector<float> q_rows;          // [n_draft, n_vocab] the drafter's distributions of the last sampled draft
-    std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
     std::vector<float> lattice_rows;  // DFlash2: [n_draft, top_k * (top_k + 1)] of the last noise block, when kept
     int n_ctx = 0;
     int n_batch = 0;  // the most tokens one target decode takes
     int n_embd = 0;
-    int past = 0;
+    std::vector<Slot> slots;
     int n_out = 0;  // output (logits) rows of the last target decode
     int n_rows = 0; // rows of the last target decode, the scratch row not counted
 
@@ -178,7 +206,8 @@ private:
     // per sequence, one row each in a padded one-token decode, so sgemm still misses those rows (the engine says
     // bit_exact_verify false for them on such a build). Measured in docs/measurements.md ("A llamafile build").
     bool pad = false;
-    int n_seq_user = 1;                // sequences of decode_rows; the scratch row's is the next one
+    int n_seq_user = 1;                // the caller's sequences (slots); the scratch row's is the next one
+    bool unified = false;              // ContextOptions.kv_unified
     std::vector<char> head_q;          // head rows converted to the kernel's type (pad)
 
     // Recurrent (and hybrid) targets: their recurrent state cannot drop positions like a KV cache. llama.cpp keeps
@@ -186,18 +215,10 @@ private:
     // than that restores a checkpoint taken before the verify batch and decodes the accepted tokens again.
     bool recurrent = false;
     int n_rs = 0;
-    std::vector<uint8_t> step_ckpt;    // the recurrent state before the current verify batch
-    std::vector<uint8_t> prompt_ckpt;  // the recurrent state at prompt_ckpt_pos, for the prefix cache
-    int prompt_ckpt_pos = -1;
     bool collecting = false;           // the eval callback copies features only during decode_target
 
     std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode
     int feat_rows = 0;
-    // Deferred injection (defer): the drafter's cache holds the features of positions [0, dft_past), `pending` those
-    // of [dft_past, dft_past + n_pending), at most one drafter batch.
-    std::vector<float> pending;
-    int n_pending = 0;
-    int dft_past = 0;
     std::vector<int> rows_seen;   // eval-callback path: rows copied so far per layer (ubatches arrive in order)
     std::vector<float> cb_rows;   // eval-callback path: one layer's rows on their way from the backend
     std::vector<std::pair<float, llama_token>> cand;
@@ -235,29 +256,31 @@ private:
     void create_contexts(const ContextOptions & o, int n_rs_seq);
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
     void free_all();
-    template <class F> auto transaction(F && f) -> decltype(f());
-    bool keep(int n);
+    Slot & at(int slot);
+    const Slot & at(int slot) const;
+    template <class F> auto transaction(int slot, F && f) -> decltype(f());
+    bool keep(int n, int slot);
 
     static constexpr llama_state_seq_flags partial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
 
-    void save_state(std::vector<uint8_t> & buf);
-    bool restore_state(const std::vector<uint8_t> & buf);
-    static void drop_from(llama_context * ctx, llama_pos p0, const char * which);
+    void save_state(std::vector<uint8_t> & buf, int slot);
+    bool restore_state(const std::vector<uint8_t> & buf, int slot);
+    static void drop_from(llama_context * ctx, llama_pos p0, const char * which, int slot);
     void check_tokens(const std::vector<llama_token> & toks) const;
     static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
     StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
-                              uint64_t index, bool rejection);
-    void decode_target(const llama_token * toks, int n, int pos0, Logits logits);
+                              uint64_t index, bool rejection, int slot);
+    void decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot);
     bool add_scratch(llama_token tok, int n, int pos0, bool output);
     void drop_scratch();
     void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);
     static bool eval_cb(ggml_tensor * t, bool ask, void * user);
-    void replay(const llama_token * toks, int n, int pos0);
-    void defer(int pos0, int n);
-    void flush();
-    void inject(int pos0, const float * rows, int n);
+    void replay(const llama_token * toks, int n, int pos0, int slot);
+    void defer(int pos0, int n, int slot);
+    void flush(int slot);
+    void inject(int pos0, const float * rows, int n, int slot);
     void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
-                     Draft & d);
+                     Draft & d, int slot);
     static float top_prob(const float * scores, int n, int best);
     void walk_lattice(int n_draft, bool with_probs, Draft & d);
 };

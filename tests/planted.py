@@ -28,9 +28,9 @@ class PlantedEngine:
         self.preserved = list(texts)  # the control tokens a chat format's parser asked to see (the server's path)
         return self.engine.token_set(texts)
 
-    def run(self, generation: Generation):
+    def run(self, generation: Generation, slot: int = 0):
         self.requests.append(generation)
-        real = [ev for ev in self.engine.run(replace(generation, max_tokens=1)) if isinstance(ev, Finished)][0]
+        real = [ev for ev in self.engine.run(replace(generation, max_tokens=1), slot) if isinstance(ev, Finished)][0]
         for piece in self.pieces:
             yield TextDelta(piece)
         # the planted text ends as a model's answer does, at an end-of-generation token

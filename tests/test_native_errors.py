@@ -230,9 +230,14 @@ def test_importing_and_using_dflash_local_leaves_llama_cpp_python_logging_alone(
 def test_decode_rows_checks_its_rows_before_llama_cpp(models, prompt):
     """The training-data decode of several sequences side by side refuses what llama.cpp would abort on."""
     tgt, dft = models
-    with pytest.raises(ValueError, match="n_seq must be 1..256, and 1 with a drafter"):
-        _native.Session(tgt, dft, [1, 3], 128, 2, True, False, n_seq=2)
-    s = _native.Session(tgt, None, [1, 3], 128, 2, True, False, n_seq=2)
+    with pytest.raises(ValueError, match="n_seq must be 1..256"):
+        _native.Session(tgt, None, [1, 3], 128, 2, True, False, n_seq=257)
+    with pytest.raises(ValueError, match="slots that draft need a cache per sequence"):
+        _native.Session(tgt, dft, [1, 3], 128, 2, True, False, n_seq=2, kv_unified=True)
+    # without a unified cache llama.cpp would regroup the rows by sequence
+    with pytest.raises(ValueError, match="several sequences in one batch need a unified cache"):
+        _native.Session(tgt, None, [1, 3], 128, 2, True, False, n_seq=2).decode_rows(prompt[:2], [0, 0], [0, 1])
+    s = _native.Session(tgt, None, [1, 3], 128, 2, True, False, n_seq=2, kv_unified=True)
     with pytest.raises(IndexError, match="row 1: sequence 2 position 0 outside 2 sequences"):
         s.decode_rows(prompt[:2], [0, 0], [0, 2])
     with pytest.raises(IndexError, match=f"position {s.n_ctx} outside"):
@@ -256,7 +261,7 @@ def test_decode_rows_ranks_every_row_as_its_logits_do(models, prompt):
     """The rows of a batch are ranked by several threads (24 rows, 2 threads here): each row's top tokens and
     log-probabilities are its own logits' (ties to the lower id), whichever thread ranked it."""
     tgt, _ = models
-    s = _native.Session(tgt, None, [1, 3], 256, 2, True, False, n_seq=3)
+    s = _native.Session(tgt, None, [1, 3], 256, 2, True, False, n_seq=3, kv_unified=True)
     assert s.n_threads_batch == 2
     tokens = [t for k in range(3) for t in (prompt[k:] * 8)[:8]]  # three different sequences of 8 tokens
     ids, lp = s.decode_rows(tokens, list(range(8)) * 3, [0] * 8 + [1] * 8 + [2] * 8, 5)

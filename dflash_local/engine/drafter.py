@@ -38,6 +38,11 @@ class Drafter:
         """The target just decoded positions pos0 .. pos0 + n - 1: their features are rows 0 .. n - 1 of
         session.features()."""
 
+    def for_slot(self, slot: int) -> Drafter:
+        """The drafter for a generation in the session's slot `slot` (engine.py): itself, unless it keeps a context
+        per sequence of the target's cache."""
+        return self
+
 
 class FunctionDrafter(Drafter):
     def __init__(self, fn: Callable[[list[int], int], list[int]]):
@@ -48,19 +53,23 @@ class FunctionDrafter(Drafter):
 
 
 class NativeDrafter(Drafter):
-    """The llama.cpp drafter of the native session. The session feeds it the target's features itself whenever
-    feature capture is on (kept until the next draft, then injected in one batch), so its context is kept with the
-    session's caches (prompt_cache.py), not here."""
+    """The llama.cpp drafter of the native session, for one of its slots. The session feeds it the target's
+    features itself whenever feature capture is on (kept until the next draft, then injected in one batch), so its
+    context is kept with the session's caches (prompt_cache.py), not here."""
 
-    def __init__(self, session):
+    def __init__(self, session, slot: int = 0):
         self.session = session
+        self.slot = slot
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
-        return self.session.draft(tokens[-1], k).tokens
+        return self.session.draft(tokens[-1], k, slot=self.slot).tokens
 
     def draft_rated(self, tokens: list[int], k: int) -> tuple[list[int], list[float] | None]:
-        d = self.session.draft(tokens[-1], k)
+        d = self.session.draft(tokens[-1], k, slot=self.slot)
         return d.tokens, d.confidence or None
+
+    def for_slot(self, slot: int) -> Drafter:
+        return self if slot == self.slot else NativeDrafter(self.session, slot)
 
 
 def as_drafter(d: Drafter | Callable[[list[int], int], list[int]]) -> Drafter:

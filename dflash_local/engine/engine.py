@@ -32,7 +32,7 @@ class ContextOverflowError(ValueError):
 
 
 class EngineBusyError(RuntimeError):
-    """Another generation is running on this engine."""
+    """Another generation is running in this slot of the engine."""
 
 
 @dataclass
@@ -73,6 +73,17 @@ class Generation:
     rejection: bool  # verify sampled drafts by speculative (rejection) sampling
 
 
+@dataclass
+class Slot:
+    """One of the engine's slots: a sequence of its own in the session's caches, where one generation runs at a time.
+    Its prompt cache and draft policies carry over from one generation to the next."""
+
+    id: int
+    cache: PromptCache
+    policies: dict[str, DraftPolicy]  # per drafter ("drafter", "ngram"): acceptance and costs
+    busy: threading.Lock
+
+
 def _check_spec_sampling(mode: str) -> None:
     if mode not in ("match", "rejection"):
         raise ValueError(f"spec sampling must be match or rejection, not {mode!r}")
@@ -88,7 +99,7 @@ def _file_type(info) -> str:
         return str(ft)
 
 
-def _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq) -> None:
+def _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq, n_slots) -> None:
     """Engine's plain options, checked before any file is read."""
     if capture not in ("auto", "layer_api", "callback"):
         raise ValueError(f"capture must be auto, layer_api or callback, not {capture!r}")
@@ -101,6 +112,10 @@ def _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n
         raise ValueError(f"n_ctx must be 0 (the model's trained context) or at least 8, got {n_ctx}")
     if n_rs_seq is not None and not 0 <= n_rs_seq <= 512:
         raise ValueError(f"n_rs_seq must be in 0..512, got {n_rs_seq}")
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or not 1 <= n_slots <= 256:
+        raise ValueError(f"n_slots must be an integer in 1..256, got {n_slots!r}")
+    if n_slots > 1 and draft_backend == "torch":
+        raise ValueError("the torch drafter keeps one context: it drafts for one slot (n_slots 1)")
 
 
 def _read_pair(model, draft, draft_backend) -> tuple[GGUFInfo, GGUFInfo | None, DraftSpec | None]:
@@ -142,6 +157,7 @@ class Engine:
         chat_template_kwargs: dict | None = None,
         n_rs_seq: int | None = None,
         ngram: NgramSpec | None = None,
+        n_slots: int = 1,
     ):
         """capture: how target features are read: 'auto' (from the architecture), 'layer_api' or 'callback'.
 
@@ -167,8 +183,11 @@ class Engine:
 
         ngram: also draft from repeats in the context (ngram.py), before the drafter at each step; with no drafter,
         the n-gram lookup alone drafts.
+
+        n_slots: generations that can run at once (a server's -np), each in a slot with a cache of its own of n_ctx
+        tokens; run() takes the slot. Each slot's output is that of the same generation run alone.
         """
-        _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq)
+        _check_options(capture, draft_policy, spec_sampling, draft_backend, n_ctx, n_rs_seq, n_slots)
         # the drafter GGUF's header and shape (a z-lab checkpoint folder has no header: its shape comes on loading)
         self.target_info, self.draft_info, self.spec = _read_pair(model, draft, draft_backend)
         if placement is None:
@@ -204,7 +223,7 @@ class Engine:
         self.session = _native.Session(
             self.target, self.draft_model, layers, self.n_ctx, self.n_threads, use_layer_api,
             FLASH_ATTN[placement.fa], verbose, **placement.session_kwargs(),
-            n_rs_seq=self.max_draft if n_rs_seq is None else n_rs_seq,
+            n_rs_seq=self.max_draft if n_rs_seq is None else n_rs_seq, n_seq=n_slots,
         )
         self.n_ctx = self.n_ctx or self.session.n_ctx
         placement.check_weights({"target": self._memory("target"), "drafter": self._memory("drafter")})
@@ -224,9 +243,18 @@ class Engine:
         self.draft_policy = draft_policy
         self.spec_sampling = spec_sampling
         self.ngram = ngram
-        self._policies: dict[str, DraftPolicy] = {}  # per drafter: acceptance and costs, kept across generations
-        self.cache = PromptCache()
-        self._lock = threading.Lock()
+        self.slots = [Slot(i, PromptCache(i), {}, threading.Lock()) for i in range(n_slots)]
+        # the native session serves one call at a time: slots running in several threads take turns, a step each
+        self._native = threading.Lock()
+
+    @property
+    def cache(self) -> PromptCache:
+        """Slot 0's prompt cache (the slot of generate())."""
+        return self.slots[0].cache
+
+    @property
+    def _policies(self) -> dict[str, DraftPolicy]:
+        return self.slots[0].policies
 
     def set_verbose(self, on: bool) -> None:
         """Show llama.cpp's log during this engine's calls (other engines keep their own setting)."""
@@ -495,31 +523,38 @@ class Engine:
         ids = (self.target.tokenize(text, False, True) for text in texts)
         return frozenset(one[0] for one in ids if len(one) == 1)
 
-    def run(self, r: Generation) -> Iterator[Event]:
-        """Run a prepared generation: yield TextDelta, StepStats and, last, Finished."""
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("another generation is running on this engine")
+    def run(self, r: Generation, slot: int = 0) -> Iterator[Event]:
+        """Run a prepared generation in one of the engine's slots: yield TextDelta, StepStats and, last, Finished.
+        Generations in other slots may run meanwhile (in other threads, or interleaved by one consumer)."""
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"no slot {slot}: the engine has {len(self.slots)}")
+        sl = self.slots[slot]
+        if not sl.busy.acquire(blocking=False):
+            raise EngineBusyError(f"another generation is running in slot {slot} of this engine")
         try:
             ngram = NgramDrafter(self.ngram) if r.ngram else None
-            yield from self._generate(r.ids, r.max_tokens, r.stop, r.sampler, r.logprobs, r.drafter, r.max_draft,
+            drafter = r.drafter.for_slot(slot) if r.drafter is not None else None
+            yield from self._generate(sl, r.ids, r.max_tokens, r.stop, r.sampler, r.logprobs, drafter, r.max_draft,
                                       ngram, r.shown, r.rejection)
         finally:
-            self._lock.release()
+            sl.busy.release()
 
-    def _generate(self, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None, max_draft: int,
-                  ngram: NgramDrafter | None, shown: frozenset[int], rejection: bool) -> Iterator[Event]:
-        """Prefill what the cache lacks of the prompt, then step (draft at most max_draft tokens from the drafter,
-        verify, emit) until the output ends."""
+    def _generate(self, sl: Slot, ids, max_tokens, stop, sampler, logprobs: bool, drafter: Drafter | None,
+                  max_draft: int, ngram: NgramDrafter | None, shown: frozenset[int],
+                  rejection: bool) -> Iterator[Event]:
+        """Prefill what the slot's cache lacks of the prompt, then step (draft at most max_draft tokens from the
+        drafter, verify, emit) until the output ends. The native work between two events holds the session."""
         s = self.session
-        policy = self._policy_for("drafter", max_draft if drafter else 0)
+        policy = self._policy_for(sl, "drafter", max_draft if drafter else 0)
         # the proposers, tried in this order at each step as llama.cpp's common/speculative.cpp chains them: a repeat
         # in the context first (free), then the drafter; each with its own draft-length policy
-        chain = ([(ngram, self._policy_for("ngram", ngram.m))] if ngram else []) + [(drafter, policy)]
+        chain = ([(ngram, self._policy_for(sl, "ngram", ngram.m))] if ngram else []) + [(drafter, policy)]
         # acceptance by block position: the drafter's block, or without one the n-gram lookup's first 7 drafts
         tracker = StatsTracker(max(max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
         out = Output(self.target, stop, max_tokens, shown)
         tokens = list(ids)  # the prompt and every token the target produced, also past a stop (they are cached)
-        n_cached = self._reuse_cache(ids, drafter)
+        with self._native:
+            n_cached = self._reuse_cache(sl, ids, drafter)
         emitted_logprobs = [] if logprobs else None
 
         def delta(text: str, n_before: int) -> TextDelta | None:
@@ -531,22 +566,26 @@ class Engine:
             return TextDelta(text, lp) if text or lp else None
 
         try:
-            t0 = time.perf_counter()
-            tokens.append(self._prefill(ids, n_cached, sampler, drafter))
-            prompt_ms = (time.perf_counter() - t0) * 1000
+            with self._native:
+                t0 = time.perf_counter()
+                tokens.append(self._prefill(sl.id, ids, n_cached, sampler, drafter))
+                prompt_ms = (time.perf_counter() - t0) * 1000
             if ev := delta(out.add(tokens[-1:]), 0):
                 yield ev
 
             while out.finish is None:
-                if s.n_past >= self.n_ctx:
+                if s.past(sl.id) >= self.n_ctx:
                     out.finish = "context_full"
                     break
-                t_step = time.perf_counter()
                 room = max_tokens - len(out.ids) - 1  # drafts past max_tokens would be wasted
                 index = len(tokens) - len(ids)  # the number of the target's next generated token
-                proposer, proposal, ratings, draft_ms = self._propose(chain, tokens, room, index, sampler, rejection)
-                owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
-                r, step_ms = self._step(tokens, proposal, index, sampler, rejection, owner, drafter)
+                with self._native:
+                    t_step = time.perf_counter()
+                    proposer, proposal, ratings, draft_ms = self._propose(sl.id, chain, tokens, room, index, sampler,
+                                                                          rejection)
+                    owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
+                    r, step_ms = self._step(sl.id, tokens, proposal, index, sampler, rejection, owner, drafter)
+                    t_end = time.perf_counter()
                 draft_ms += step_ms
                 ratings = ratings[: len(r.draft)] if ratings else None
                 tokens.extend(r.tokens)
@@ -560,7 +599,7 @@ class Engine:
                     draft_ms=draft_ms,
                     verify_ms=r.verify_ms,
                     rollback_ms=r.rollback_ms,
-                    other_ms=max((time.perf_counter() - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
+                    other_ms=max((t_end - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
                     rollback=r.rollback,
                     ngram=proposer is not None and proposer is ngram,
                 )
@@ -591,19 +630,20 @@ class Engine:
             yield Finished(out.stream.text, list(out.ids), summary, emitted_logprobs)
         finally:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true
-            self.cache.record(s, tokens, captured=drafter is not None)
+            sl.cache.record(s, tokens, captured=drafter is not None)
 
-    def _reuse_cache(self, ids: list[int], drafter: Drafter | None) -> int:
-        """Cut the caches back to the prefix of the prompt they can keep; return its length."""
-        self.session.set_capture(drafter is not None)  # a drafter needs the target's features
-        n = self.cache.reusable(ids, drafter, self.session)
-        self.cache.truncate(self.session, n)
-        for d in (self.drafter, drafter):  # the engine's own drafter too: what it held past n is stale now
+    def _reuse_cache(self, sl: Slot, ids: list[int], drafter: Drafter | None) -> int:
+        """Cut the slot's caches back to the prefix of the prompt they can keep; return its length."""
+        self.session.set_capture(drafter is not None, sl.id)  # a drafter needs the target's features
+        n = sl.cache.reusable(ids, drafter, self.session)
+        sl.cache.truncate(self.session, n)
+        own = self.drafter.for_slot(sl.id) if self.drafter is not None else None
+        for d in (own, drafter):  # the engine's own drafter too: what it held past n is stale now
             if d is not None:
                 d.crop(n)
         return n
 
-    def _prefill(self, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
+    def _prefill(self, slot: int, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
         """Decode the prompt after the cached prefix; return the first generated token."""
         s = self.session
         # a recurrent state cannot be cut back later: checkpoint it before the prompt's last token, where the next
@@ -614,15 +654,15 @@ class Engine:
         for end in ends:
             while off < end:
                 chunk = ids[off : min(off + chunk_size, end)]
-                first = s.prefill(chunk, sampler if off + len(chunk) == len(ids) else None, 0)
+                first = s.prefill(chunk, sampler if off + len(chunk) == len(ids) else None, 0, slot)
                 if drafter:
                     drafter.extend(s, off, len(chunk))
                 off += len(chunk)
             if end < len(ids):
-                s.checkpoint()
+                s.checkpoint(slot)
         return first
 
-    def _propose(self, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
+    def _propose(self, slot: int, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
         """The first proposal of the chain of (drafter, policy): each drafts as many tokens as its policy chooses
         (at most room), cut where the drafter rates them. Returns the drafter that proposed (None: none did, a plain
         step), its tokens, its ratings of them (None if it gives none) and its milliseconds. Rejection sampling draws
@@ -634,7 +674,7 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             if rejection:
-                proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index).tokens, None
+                proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index, slot).tokens, None
             else:
                 proposal, ratings = drafter.draft_rated(tokens, k)
             draft_ms = (time.perf_counter() - t0) * 1000
@@ -645,15 +685,15 @@ class Engine:
             spent = draft_ms if ratings else 0.0
         return None, [], None, spent
 
-    def _step(self, tokens: list[int], proposal: list[int], index: int, sampler, rejection: bool,
+    def _step(self, slot: int, tokens: list[int], proposal: list[int], index: int, sampler, rejection: bool,
               policy: DraftPolicy, drafter: Drafter | None):
         """The target verifies the proposal after `tokens` (its own token at each position is generated token number
         index + i; `policy`, the proposer's, says how many verify rows it will likely read), and the drafter takes
         the accepted positions' features, whoever proposed. Returns the native StepResult and the drafter's
         milliseconds in it."""
         s = self.session
-        pos0 = s.n_past
-        r = s.step(tokens[-1], proposal, sampler, index, rejection, policy.likely_rows(len(proposal)))
+        pos0 = s.past(slot)
+        r = s.step(tokens[-1], proposal, sampler, index, rejection, policy.likely_rows(len(proposal)), slot)
         draft_ms = r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
         if drafter:
             t0 = time.perf_counter()
@@ -661,15 +701,15 @@ class Engine:
             draft_ms += (time.perf_counter() - t0) * 1000
         return r, draft_ms
 
-    def _policy_for(self, name: str, max_draft: int) -> DraftPolicy:
-        """The adaptive policy of one drafter ('drafter' or 'ngram'), kept across generations (its timings and
-        acceptance carry over, also while a bench interleaves fixed-block runs); a fixed one learns nothing worth
+    def _policy_for(self, sl: Slot, name: str, max_draft: int) -> DraftPolicy:
+        """The adaptive policy of one drafter ('drafter' or 'ngram') in a slot, kept across generations (its timings
+        and acceptance carry over, also while a bench interleaves fixed-block runs); a fixed one learns nothing worth
         keeping."""
         if max_draft == 0 or self.draft_policy != "auto":
             return DraftPolicy(max_draft, adaptive=False)
-        p = self._policies.get(name)
+        p = sl.policies.get(name)
         if p is None or p.max_draft != max_draft:
-            p = self._policies[name] = DraftPolicy(max_draft)
+            p = sl.policies[name] = DraftPolicy(max_draft)
         p.new_text()
         return p
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server (`dflash-local serve`) over one engine, with DFlash drafting on by default.
 
-The routes are thin: the wire format is schema.py, errors errors.py, streaming stream.py, and the
-engine runs one request at a time in runner.py.
+The routes are thin: the wire format is schema.py, errors errors.py, streaming stream.py, and runner.py runs the
+requests in the engine's slots (`-np`), the others waiting in its queue.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
         state.check_key(request)
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        runner = state.runner
+        gauges = {"slots_processing": runner.busy, "requests_waiting": runner.waiting} if runner else {}
+        return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -151,10 +153,10 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     async def get_slots(request: Request, fail_on_no_slot: bool = False):
         state.check_key(request)
         engine = state.ready()
-        slot = state.runner.slot
-        if fail_on_no_slot and slot is not None and slot.processing:
+        tasks = state.runner.slots
+        if fail_on_no_slot and all(t is not None and t.processing for t in tasks):
             raise APIError(503, "no slot available", "unavailable_error")
-        return slots(engine, slot)
+        return slots(engine, tasks)
 
     @app.post("/apply-template")
     async def apply_template(body: ChatRequest, request: Request):
@@ -224,7 +226,7 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     if done is None:  # the client went away; nobody reads this
         state.metrics.cancelled += 1
         return JSONResponse({}, status_code=499)
-    state.metrics.add(done.summary, time.perf_counter() - t0)
+    state.metrics.add(done.summary, time.perf_counter() - t0, job.slot)
     try:
         message = chat_output.finish(syntax, done.text) if chat else None
     except ToolChoiceError as e:

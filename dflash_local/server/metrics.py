@@ -18,8 +18,13 @@ class Metrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per block position
+    slot_requests: dict[int, int] = field(default_factory=dict)  # completed requests per slot
+    slot_tokens: dict[int, int] = field(default_factory=dict)  # generated tokens per slot
 
-    def add(self, s: Summary, seconds: float) -> None:
+    def add(self, s: Summary, seconds: float, slot: int | None = None) -> None:
+        if slot is not None:
+            self.slot_requests[slot] = self.slot_requests.get(slot, 0) + 1
+            self.slot_tokens[slot] = self.slot_tokens.get(slot, 0) + s.n_generated
         self.requests += 1
         self.prompt_tokens += s.n_prompt
         self.generated_tokens += s.n_generated
@@ -33,7 +38,8 @@ class Metrics:
         for k, n in enumerate(s.accepted_at):
             self.accepted_at[k] += n
 
-    def render(self) -> str:
+    def render(self, gauges: dict[str, int] | None = None) -> str:
+        """The counters, and `gauges` (slots_processing, requests_waiting: the runner's state now)."""
         rows = [
             ("requests_total", "Completed generation requests.", self.requests),
             ("cancelled_requests_total", "Requests stopped because the client went away.", self.cancelled),
@@ -50,4 +56,14 @@ class Metrics:
         name = "dflash_accepted_tokens_by_position_total"
         out += [f"# HELP {name} Accepted drafted tokens per block position (1 = first draft).", f"# TYPE {name} counter"]
         out += [f'{name}{{position="{k + 1}"}} {n}' for k, n in enumerate(self.accepted_at)]
+        for name, help_, per_slot in (
+            ("slot_requests_total", "Completed generation requests per slot.", self.slot_requests),
+            ("slot_generated_tokens_total", "Generated tokens per slot.", self.slot_tokens),
+        ):
+            out += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} counter"]
+            out += [f'dflash_{name}{{slot="{k}"}} {n}' for k, n in sorted(per_slot.items())]
+        helps = {"slots_processing": "Slots running a generation now.",
+                 "requests_waiting": "Requests waiting for a free slot."}
+        for name, value in (gauges or {}).items():
+            out += [f"# HELP dflash_{name} {helps[name]}", f"# TYPE dflash_{name} gauge", f"dflash_{name} {value}"]
         return "\n".join(out) + "\n"

@@ -49,7 +49,7 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
     info = model_meta(engine)
     return {
         "default_generation_settings": {"n_ctx": engine.n_ctx, "params": params},
-        "total_slots": 1,  # one generation at a time; the others queue
+        "total_slots": len(engine.slots),  # generations at a time (-np); the others queue
         "model_alias": alias,
         "model_path": info["target"]["file"],
         "model_ftype": info["ftype"],
@@ -74,14 +74,16 @@ def props(engine: Engine, alias: str, n_predict: int) -> dict:
     }
 
 
-def slots(engine: Engine, slot) -> list[dict]:
-    """GET /slots in llama-server's shape, for the one slot (id 0): its context, whether it drafts, and the running
-    task's progress (or the last task's, once done)."""
-    out = {"id": 0, "n_ctx": engine.n_ctx, "speculative": bool(engine.spec_types),
-           "is_processing": slot is not None and slot.processing}
-    if slot is not None:
-        out |= {"id_task": slot.id_task, "n_prompt_tokens": slot.n_prompt, "n_prompt_tokens_cache": slot.n_cached,
-                "next_token": [{"has_next_token": slot.processing, "n_remain": slot.max_tokens - slot.n_decoded,
-                                "n_decoded": slot.n_decoded}]}
-    return [out]
-
+def slots(engine: Engine, tasks) -> list[dict]:
+    """GET /slots in llama-server's shape, a row per slot: its context, whether it drafts, and its running task's
+    progress (or its last task's, once done)."""
+    rows = []
+    for i, task in enumerate(tasks):
+        out = {"id": i, "n_ctx": engine.n_ctx, "speculative": bool(engine.spec_types),
+               "is_processing": task is not None and task.processing}
+        if task is not None:
+            out |= {"id_task": task.id_task, "n_prompt_tokens": task.n_prompt, "n_prompt_tokens_cache": task.n_cached,
+                    "next_token": [{"has_next_token": task.processing, "n_remain": task.max_tokens - task.n_decoded,
+                                    "n_decoded": task.n_decoded}]}
+        rows.append(out)
+    return rows

@@ -1,13 +1,17 @@
-"""Runs engine generations one at a time, in a worker thread, for asyncio callers (the server).
+"""Runs engine generations in the engine's slots, in a worker thread, for asyncio callers (the server).
 
-Requests wait in a bounded FIFO queue; the running one is never interrupted by others. A caller that goes away sets
-its job's cancel flag, and the worker stops at the end of the current native step and frees the engine.
+A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
+picks one) or waits in a bounded FIFO queue. The worker advances every running generation by one engine step in
+turn, so a request that arrives while others stream starts at the next step instead of after they end, and each
+slot's output is that of the request run alone (engine.py). A caller that goes away sets its job's cancel flag; the
+worker stops that generation before its next step and frees the slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from ..engine.engine import Engine, Finished, Generation
@@ -22,9 +26,16 @@ _DONE = object()
 
 
 class Job:
-    def __init__(self):
+    def __init__(self, generation: Generation):
+        self.generation = generation
         self.events: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
         self.cancel = threading.Event()
+        self.slot: int | None = None  # the slot it runs in, once it starts
+
+    def put(self, ev) -> None:
+        """From the worker thread: hand an event to the caller's event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
 
     async def next(self, timeout: float | None = None):
         """The next engine event; None at the end; raises what the engine raised; TimeoutError on timeout."""
@@ -37,15 +48,15 @@ class Job:
 
 
 @dataclass
-class Slot:
-    """The engine's one generation slot as GET /slots shows it: the running task, or the last one once it is done.
-    The worker thread updates the counts; the server reads them."""
+class Task:
+    """A slot's running task, or its last one once done, as GET /slots shows it. The worker thread updates the
+    counts; the server reads them."""
 
     id_task: int
     n_prompt: int
     max_tokens: int
     n_decoded: int = 0
-    n_cached: int = 0  # prompt tokens reused from the previous generation's cache (known once it finishes)
+    n_cached: int = 0  # prompt tokens reused from the slot's previous generation (known once it finishes)
     processing: bool = True
 
 
@@ -53,57 +64,95 @@ class Runner:
     def __init__(self, engine: Engine, max_queue: int = 32):
         self.engine = engine
         self.max_queue = max_queue
-        self.waiting = 0
         self.tasks = 0  # generations started, the last one's id
-        self.slot: Slot | None = None  # None until the first generation starts
-        self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order
+        self.slots: list[Task | None] = [None] * len(engine.slots)  # None until the slot's first generation
+        self._waiting: deque[Job] = deque()
+        self._running: dict[int, tuple[Job, object]] = {}  # slot -> (job, its engine generator)
+        self._last_used = [0] * len(engine.slots)
+        self._cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> int:
+        """Slots running a generation."""
+        return len(self._running)
 
     def submit(self, generation: Generation) -> Job:
-        # while the engine is free, one of the waiting jobs is about to start (its task has not run yet): it does
-        # not count against the queue
-        if self.waiting >= self.max_queue + (0 if self._lock.locked() else 1):
-            raise QueueFullError(f"{self.waiting} requests are already waiting")
-        job = Job()
-        self.waiting += 1
-        asyncio.get_running_loop().create_task(self._run(job, generation))
+        job = Job(generation)
+        with self._cv:
+            # jobs a free slot is about to take do not count against the queue
+            free = len(self.slots) - len(self._running)
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="dflash-generate", daemon=True)
+                self._worker.start()
+            self._cv.notify()
         return job
 
-    async def _run(self, job: Job, generation: Generation) -> None:
-        try:
-            await self._lock.acquire()
-        finally:
-            self.waiting -= 1
-        if job.cancel.is_set():  # gave up while waiting
-            self._lock.release()
-            job.events.put_nowait(_DONE)
-            return
-        loop = asyncio.get_running_loop()
+    def _pick_slot(self, job: Job) -> int:
+        """The free slot whose cache shares most with the prompt; among equals, the least recently used."""
+        free = [i for i in range(len(self.slots)) if i not in self._running]
+        ids = job.generation.ids
+        return max(free, key=lambda i: (self.engine.slots[i].cache.shared(ids), -self._last_used[i]))
+
+    def _start(self, job: Job) -> None:
+        slot = job.slot = self._pick_slot(job)
         self.tasks += 1
-        slot = self.slot = Slot(self.tasks, len(generation.ids), generation.max_tokens)
+        self._last_used[slot] = self.tasks
+        g = job.generation
+        self.slots[slot] = Task(self.tasks, len(g.ids), g.max_tokens)
+        try:
+            self._running[slot] = (job, self.engine.run(g, slot))
+        except Exception as e:  # the worker goes on; the caller gets the error
+            self.slots[slot].processing = False
+            job.put(e)
+            job.put(_DONE)
 
-        def put(ev):
-            loop.call_soon_threadsafe(job.events.put_nowait, ev)
+    def _end(self, slot: int) -> None:
+        with self._cv:
+            job, gen = self._running.pop(slot)
+        try:
+            gen.close()  # a generation stopped early records its slot's cache here
+        except Exception as e:
+            job.put(e)
+        self.slots[slot].processing = False
+        job.put(_DONE)
 
-        def work():
-            try:
-                gen = self.engine.run(generation)
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._running:
+                    self._cv.wait()
+                while self._waiting and len(self._running) < len(self.slots):
+                    job = self._waiting.popleft()
+                    if job.cancel.is_set():  # gave up while waiting
+                        job.put(_DONE)
+                        continue
+                    self._start(job)
+            # one event of each running generation in turn: an engine step at most
+            for slot in list(self._running):
+                job, gen = self._running[slot]
+                if job.cancel.is_set():
+                    self._end(slot)
+                    continue
                 try:
-                    for ev in gen:
-                        if isinstance(ev, StepStats):  # the prefill's token, then what each step added
-                            slot.n_decoded = max(slot.n_decoded, 1) + ev.n_tokens
-                        elif isinstance(ev, Finished):
-                            slot.n_decoded, slot.n_cached = len(ev.token_ids), ev.summary.n_cached
-                        put(ev)
-                        if job.cancel.is_set():
-                            break
-                finally:
-                    gen.close()
-            except Exception as e:  # reported to the caller, who turns it into an HTTP error
-                put(e)
-            finally:
-                slot.processing = False
-                put(_DONE)
-                # the engine is free only now: the next request starts after this one has really stopped
-                loop.call_soon_threadsafe(self._lock.release)
-
-        threading.Thread(target=work, name="dflash-generate", daemon=True).start()
+                    ev = next(gen)
+                except StopIteration:
+                    self._end(slot)
+                    continue
+                except Exception as e:  # reported to the caller, who turns it into an HTTP error
+                    job.put(e)
+                    self._end(slot)
+                    continue
+                task = self.slots[slot]
+                if isinstance(ev, StepStats):  # the prefill's token, then what each step added
+                    task.n_decoded = max(task.n_decoded, 1) + ev.n_tokens
+                elif isinstance(ev, Finished):
+                    task.n_decoded, task.n_cached = len(ev.token_ids), ev.summary.n_cached
+                job.put(ev)

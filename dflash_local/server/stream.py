@@ -57,7 +57,7 @@ async def sse_events(job: Job, head: dict, stream: Stream | None, include_usage:
                                                                   logprobs=logprobs if i == 0 else None)]})
             elif isinstance(ev, Finished):
                 finished = True
-                metrics.add(ev.summary, time.perf_counter() - t0)
+                metrics.add(ev.summary, time.perf_counter() - t0, job.slot)
                 if chat:
                     try:
                         deltas = stream.close()

@@ -179,7 +179,8 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
         model = _native.Model(str(target_path), **pl.model_kwargs())
         n_parallel = max(1, min(n_parallel, len(todo)))
         per_seq = n_prompt_max + max_new + 1
-        kw = pl.session_kwargs() | {"n_batch": max(pl.n_batch, n_prompt_max + n_parallel), "n_seq": n_parallel}
+        kw = pl.session_kwargs() | {"n_batch": max(pl.n_batch, n_prompt_max + n_parallel), "n_seq": n_parallel,
+                                    "kv_unified": True}
         kw["n_ubatch"] = kw["n_batch"]
         session = _native.Session(model, None, layers, n_parallel * per_seq, pl.threads,
                                   _native.arch_records_layer_inputs(model.arch), FLASH_ATTN[pl.fa], **kw)

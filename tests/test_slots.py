@@ -1,0 +1,246 @@
+"""Parallel slots (`serve -np N`, Engine(n_slots=N)): every slot's output is the output of the same request run alone,
+whatever the other slots run beside it; each slot keeps its own prompt cache; the server runs requests side by side."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from fixtures import write_tiny_drafter, write_tiny_qwen35
+from scripted import ScriptedDrafter
+from test_server import ServerThread, serve_command
+
+from dflash_local import Engine, EngineBusyError, Finished, StepStats
+from dflash_local.server.app import create_app
+
+# a mix of requests: greedy drafting, plain decoding, seeded sampling, a grammar, a stop string
+REQUESTS = [
+    dict(prompt="def total(values):\n", max_tokens=40),
+    dict(prompt="The quick brown fox", max_tokens=30, draft=False),
+    dict(prompt="Once upon a time", max_tokens=36, temperature=0.9, seed=11),
+    dict(prompt="A list of numbers:", max_tokens=24, grammar='root ::= ("1" | "2" | "3" | ", ")+'),
+    dict(prompt="Hello world", max_tokens=32, stop=["o"]),
+]
+
+
+def interleave(engine: Engine, jobs: dict[int, dict]) -> dict[int, tuple[Finished, list[StepStats]]]:
+    """Run each request in its slot, one event of each in turn (as the server's runner does)."""
+    gens = {slot: engine.run(engine.prepare(**kw), slot) for slot, kw in jobs.items()}
+    steps = {slot: [] for slot in jobs}
+    out = {}
+    while gens:
+        for slot in list(gens):
+            try:
+                ev = next(gens[slot])
+            except StopIteration:
+                del gens[slot]
+                continue
+            if isinstance(ev, StepStats):
+                steps[slot].append(ev)
+            elif isinstance(ev, Finished):
+                out[slot] = (ev, steps[slot])
+    return out
+
+
+def alone(target, drafter, **engine_kw):
+    return Engine(target, drafter, n_ctx=512, draft_policy="fixed", **engine_kw)
+
+
+@pytest.fixture(scope="module")
+def qwen35_pair(models_dir):
+    target = write_tiny_qwen35(models_dir / "slots-qwen35.gguf")
+    return target, write_tiny_drafter(models_dir / "slots-qwen35-drafter.gguf", target, target_layers=(1, 3))
+
+
+@pytest.mark.parametrize("pair,engine_kw", [
+    ("tiny", {}),
+    ("gemma", {}),
+    ("qwen35", {}),  # snapshots cover every rollback
+    ("qwen35", {"n_rs_seq": 2}),  # longer rollbacks restore the slot's checkpoint and replay
+], ids=["tiny", "gemma", "hybrid-snapshots", "hybrid-checkpoints"])
+def test_each_slot_gives_the_output_of_its_request_run_alone(pair, engine_kw, request, tiny_target, tiny_drafter):
+    if pair == "tiny":
+        target, drafter = tiny_target, tiny_drafter
+    elif pair == "gemma":
+        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    else:
+        target, drafter = request.getfixturevalue("qwen35_pair")
+    single = alone(target, drafter, **engine_kw)
+    want = [single.complete(**kw) for kw in REQUESTS]
+    plain = [single.complete(**kw | {"draft": False}) for kw in REQUESTS]
+    assert [w.token_ids for w in want] == [p.token_ids for p in plain]  # lossless, as ever
+
+    multi = alone(target, drafter, n_slots=3, **engine_kw)
+    assert multi.session.n_slots == 3 and multi.n_ctx == single.n_ctx == 512
+    # two different mixes: each request beside others, in another slot, after other content in that slot
+    for order in ([0, 1, 2], [3, 4, 0], [2, 3, 1], [4, 0, 3]):
+        got = interleave(multi, {slot: REQUESTS[i] for slot, i in enumerate(order)})
+        for slot, i in enumerate(order):
+            assert got[slot][0].token_ids == want[i].token_ids, (order, slot, i)
+            assert got[slot][0].text == want[i].text
+
+    # planted rejections in every slot at once: every acceptance length, the slot's own rollback each time
+    prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time"]
+    bases = [single.complete(p, max_tokens=60, draft=False) for p in prompts]
+    jobs = {}
+    for slot, (p, base) in enumerate(zip(prompts, bases)):
+        drafter_k = ScriptedDrafter(len(single.prompt_tokens(p)), base.token_ids, single.target.n_vocab, seed=slot)
+        jobs[slot] = dict(prompt=p, max_tokens=60, external_drafter=drafter_k)
+    got = interleave(multi, jobs)
+    for slot, base in enumerate(bases):
+        done, steps = got[slot]
+        assert done.token_ids == base.token_ids
+        assert len({s.n_accepted for s in steps if s.n_drafted}) >= 4
+        kinds = {s.rollback for s in steps if s.rollback}
+        if multi.session.recurrent:
+            assert kinds == ({"checkpoint", "snapshot"} if engine_kw else {"snapshot"})
+
+
+def test_a_slot_keeps_its_own_prompt_cache(tiny_target, tiny_drafter):
+    e = alone(tiny_target, tiny_drafter, n_slots=2)
+    first = interleave(e, {0: dict(prompt="The quick brown fox", max_tokens=12),
+                           1: dict(prompt="def total(values):\n", max_tokens=12)})
+    # the next turn of each conversation finds its own tokens in its own slot
+    for slot, p in ((1, "def total(values):\n"), (0, "The quick brown fox")):
+        turn = p + " and then"
+        done = next(ev for ev in e.run(e.prepare(turn, max_tokens=8), slot) if isinstance(ev, Finished))
+        n_prompt = len(e.prompt_tokens(p))
+        assert done.summary.n_cached >= n_prompt - 1  # (the other slot's prompt shares no token with this one)
+        assert done.token_ids == alone(tiny_target, tiny_drafter).complete(turn, max_tokens=8).token_ids
+    assert e.session.past(0) > 0 and e.session.past(1) > 0
+    # cutting one slot's caches back leaves the other's alone
+    n1 = e.session.past(1)
+    e.slots[0].cache.truncate(e.session, 0)
+    assert e.session.past(0) == 0 and e.session.past(1) == n1
+
+
+def test_slot_arguments_are_checked(tiny_target, tiny_drafter):
+    e = alone(tiny_target, tiny_drafter, n_slots=2)
+    gen = e.run(e.prepare("Hello", max_tokens=40), 1)
+    next(gen)
+    with pytest.raises(EngineBusyError, match="slot 1"):
+        next(e.run(e.prepare("Hi", max_tokens=4), 1))
+    assert isinstance(next(e.run(e.prepare("Hi", max_tokens=4), 0)), object)  # another slot is free
+    gen.close()
+    with pytest.raises(ValueError, match="no slot 2"):
+        next(e.run(e.prepare("Hi", max_tokens=4), 2))
+    with pytest.raises(IndexError, match="no slot 5"):
+        e.session.past(5)
+    with pytest.raises(ValueError, match="n_slots must be an integer in 1..256"):
+        Engine(tiny_target, tiny_drafter, n_slots=0)
+    with pytest.raises(ValueError, match="torch drafter keeps one context"):
+        Engine(tiny_target, tiny_drafter, n_slots=2, draft_backend="torch")
+
+
+def test_server_answers_a_request_while_another_generates(tiny_target, tiny_drafter):
+    """With -np 2 a short request that arrives while a long one streams is answered while the long one is still
+    generating (with one slot it would wait for its end); /slots shows both, /metrics counts per slot."""
+    engine = Engine(tiny_target, tiny_drafter, n_ctx=2048, n_slots=2)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        assert httpx.get(s.url + "/props").json()["total_slots"] == 2
+        assert [r["id"] for r in httpx.get(s.url + "/slots").json()] == [0, 1]
+        started, first = threading.Event(), []
+
+        def long():
+            body = {"prompt": "Once", "max_tokens": 2000, "temperature": 0, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    first.append(line)
+
+        t = threading.Thread(target=long)
+        t.start()
+        assert started.wait(60)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        second = c.completions.create(model="tiny", prompt="Hello world", max_tokens=10, temperature=0)
+        slots = httpx.get(s.url + "/slots").json()
+        t.join(120)
+        assert slots[0]["is_processing"] and slots[0]["next_token"][0]["n_decoded"] < 1500  # still generating
+        assert not slots[1]["is_processing"] and slots[1]["next_token"][0]["n_decoded"] == 10
+        single = Engine(tiny_target, tiny_drafter, n_ctx=2048)
+        assert second.choices[0].text == single.complete("Hello world", max_tokens=10).text
+        text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in first if x.startswith("data: {"))
+        assert text == single.complete("Once", max_tokens=2000).text
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'dflash_slot_requests_total{slot="0"} 1' in metrics
+        assert 'dflash_slot_requests_total{slot="1"} 1' in metrics
+        assert 'dflash_slot_generated_tokens_total{slot="1"} 10' in metrics
+        assert "dflash_slots_processing 0" in metrics and "dflash_requests_waiting 0" in metrics
+    finally:
+        s.stop()
+
+
+def test_sixteen_mixed_clients_on_four_slots(tiny_target, tiny_drafter):
+    """16 clients at once on 4 slots: mixed lengths, stop strings, JSON-schema requests, streams and streams the
+    client drops. Every completed output is that of the request run alone, no 5xx, and all slots end idle."""
+    engine = alone(tiny_target, tiny_drafter, n_slots=4)
+    reference = alone(tiny_target, tiny_drafter)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    bodies = []
+    for i in range(16):
+        body = {"prompt": f"Request {i}: the story of", "max_tokens": 8 + 7 * (i % 5), "temperature": 0}
+        if i % 4 == 1:
+            body["stop"] = ["e"]
+        if i % 4 == 2:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        if i % 3 == 0:
+            body["stream"] = True
+        bodies.append(body)
+    s = ServerThread(create_app(lambda: engine, "tiny", max_queue=32))
+    try:
+        s.wait_healthy()
+
+        def one(i):
+            body = bodies[i]
+            if not body.get("stream"):
+                r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+                return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+                text = ""
+                for line in r.iter_lines():
+                    if i % 2 == 1:  # a client that goes away after its first chunk
+                        return r.status_code, None
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                return r.status_code, text
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(16)))
+        for i, (status, text) in enumerate(results):
+            assert status == 200, (i, text)
+            if text is None:
+                continue
+            kw = {k: v for k, v in bodies[i].items() if k in ("prompt", "max_tokens", "stop")}
+            if "response_format" in bodies[i]:
+                kw["json_schema"] = schema
+            assert text == reference.complete(**kw).text, i
+        end = time.time() + 30
+        while any(r["is_processing"] for r in httpx.get(s.url + "/slots").json()):
+            assert time.time() < end
+            time.sleep(0.05)
+    finally:
+        s.stop()
+
+
+def test_serve_np_splits_the_context_and_checks_its_value(tiny_target):
+    import subprocess
+    import sys
+
+    from dflash_local.llama_server import free_port
+
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "serve", "-m", str(tiny_target), "-np", "0", "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "give a number of slots, 1 to 256" in r.stderr and "Traceback" not in r.stderr
+    with serve_command("-m", tiny_target, "-np", "2", "-c", "1024") as url:
+        props = httpx.get(url + "/props").json()
+        assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 512
+        assert [(r["id"], r["n_ctx"]) for r in httpx.get(url + "/slots").json()] == [(0, 512), (1, 512)]
+    with serve_command("-m", tiny_target) as url:  # llama-server's default: 4 slots; 4096 tokens each without -c
+        props = httpx.get(url + "/props").json()
+        assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 2048  # its trained
