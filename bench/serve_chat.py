@@ -1,13 +1,14 @@
 """Requests per minute and tokens/s of `dflash-local serve` for a sequence of chat requests, with and without drafter.
 
-    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128] [--clients K]
+    python bench/serve_chat.py -m target.gguf -d drafter.gguf [-n 20] [--max-tokens 128] [--clients K[,K...]]
         [--llama-server PATH]
 
 Starts the real server (a subprocess on 127.0.0.1) once with the drafter and once with --no-draft, sends the same
 chat requests through the official openai client, streamed, and prints a Markdown table: requests per minute,
 aggregate tokens/s, and the time to the first token (mean and worst). --clients K sends them from K clients at once
 (each takes the next request when its last one is done) to a server with K slots (`-np K`, 4096 tokens each); 1 (the
-default) sends them one after another, to one slot: its first-token times are an idle server's. With
+default) sends them one after another, to one slot: its first-token times are an idle server's. A list (1,4) runs
+each in turn, in one run. With
 --llama-server, upstream llama-server (plain, the same context and threads, as many slots as clients: `-np K`) gets
 the same requests on its /v1/chat/completions, with its own chat template.
 """
@@ -94,24 +95,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-d", "--draft", required=True, help="drafter GGUF")
     p.add_argument("-n", "--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--clients", type=int, default=1, help="requests in flight at once (default 1)")
+    p.add_argument("--clients", default="1", help="requests in flight at once (default 1), or a list: 1,4")
     p.add_argument("--llama-server", metavar="PATH", help="also time upstream llama-server, plain")
     args = p.parse_args(argv)
     # the servers run from a neutral folder (see run): paths as the user gave them, relative to here
     for name in ("model", "draft", "llama_server"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
-    k = args.clients
-    ours = [sys.executable, "-m", "dflash_local", "serve", "-np", str(k)] + (["-m", args.model] if args.model else [])
-    rows = [run(ours + ["-d", args.draft], args.requests, args.max_tokens, "dflash", k),
-            run(ours + ["--no-draft"], args.requests, args.max_tokens, "no drafter", k)]
-    if args.llama_server:
-        from dflash_local.models import default_target
+    rows = []
+    for k in map(int, args.clients.split(",")):
+        ours = [sys.executable, "-m", "dflash_local", "serve", "-np", str(k)] + (["-m", args.model] if args.model else [])
+        rows += [run(ours + ["-d", args.draft], args.requests, args.max_tokens, f"dflash -np {k}", k),
+                 run(ours + ["--no-draft"], args.requests, args.max_tokens, f"no drafter -np {k}", k)]
+        if args.llama_server:
+            from dflash_local.models import default_target
 
-        # our serve's defaults: context 4096 (for each slot), all cores
-        upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np", str(k),
-                    "-c", str(4096 * k), "-t", str(os.cpu_count())]
-        rows.append(run(upstream, args.requests, args.max_tokens, f"llama-server -np {k}", k))
+            # our serve's defaults: context 4096 (for each slot), all cores
+            upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np",
+                        str(k), "-c", str(4096 * k), "-t", str(os.cpu_count())]
+            rows.append(run(upstream, args.requests, args.max_tokens, f"llama-server -np {k}", k))
     print("| server | clients | requests | tokens | seconds | requests/min | tokens/s | first token: mean, worst (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

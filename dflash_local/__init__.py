@@ -15,7 +15,8 @@ import importlib
 # The engine (and with it llama.cpp) loads on first use of these names, so that `import dflash_local.convert` or
 # `dflash-local inspect` do not load llama.cpp.
 _LAZY = {
-    **dict.fromkeys(["Engine", "Generation", "ContextOverflowError", "EngineBusyError", "Finished", "TextDelta"],
+    **dict.fromkeys(["Engine", "Generation", "ContextOverflowError", "EngineBusyError", "Finished", "Prefilled",
+                     "TextDelta"],
                     "engine.engine"),
     "StepStats": "engine.stats", "Summary": "engine.stats",
 }

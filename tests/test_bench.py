@@ -125,11 +125,11 @@ def test_serve_chat_script_sends_from_several_clients_at_once(tiny_target, tiny_
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["-m", str(tiny_target), "-d", str(tiny_drafter), "-n", "5", "--max-tokens", "8",
-                        "--clients", "3"]) == 0
+                        "--clients", "1,3"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [r[0].strip() for r in rows] == ["dflash", "no drafter"]
-    for r in rows:
+    assert [r[0].strip() for r in rows] == ["dflash -np 1", "no drafter -np 1", "dflash -np 3", "no drafter -np 3"]
+    for r, k in zip(rows, (1, 1, 3, 3)):
         clients, requests, tokens = (int(x) for x in r[1:4])
         first_mean, first_worst = (float(x) for x in r[7].split(","))
-        assert clients == 3 and requests == 5 and 1 <= tokens <= 40 and 0 < first_mean <= first_worst
+        assert clients == k and requests == 5 and 1 <= tokens <= 40 and 0 < first_mean <= first_worst
 

@@ -117,6 +117,39 @@ def test_a_slot_keeps_its_own_prompt_cache(tiny_target, tiny_drafter):
     assert e.session.past(0) == 0 and e.session.past(1) == n1
 
 
+def test_a_long_prompt_is_decoded_a_batch_per_turn(tiny_target, tiny_drafter):
+    """A prompt longer than a batch yields Prefilled after each batch but the last, and the other slots step in
+    between; both outputs are those of their requests run alone, and the prompt's time is its batches' only."""
+    from dflash_local import Prefilled
+    from dflash_local.engine.placement import Placement
+
+    e = Engine(tiny_target, tiny_drafter, n_ctx=512, n_slots=2, placement=Placement(n_batch=16, n_ubatch=16))
+    single = Engine(tiny_target, tiny_drafter, n_ctx=512, placement=Placement(n_batch=16, n_ubatch=16))
+    long = "A long prompt: " + " ".join(f"word{i}" for i in range(40))
+    n_prompt = len(e.prompt_tokens(long))
+    assert n_prompt > 64
+    gens = {0: e.run(e.prepare("Hello world", max_tokens=40), 0), 1: e.run(e.prepare(long, max_tokens=8), 1)}
+    order, done = [], {}
+    while gens:
+        for slot in list(gens):
+            try:
+                ev = next(gens[slot])
+            except StopIteration:
+                del gens[slot]
+                continue
+            order.append((slot, type(ev).__name__))
+            if isinstance(ev, Prefilled):
+                assert ev.n_total == n_prompt and ev.n_done % 16 == 0
+            if isinstance(ev, Finished):
+                done[slot] = ev
+    progress = [i for i, (slot, kind) in enumerate(order) if kind == "Prefilled"]
+    assert len(progress) == (n_prompt - 1) // 16
+    assert any(order[i][0] == 0 and order[i][1] == "StepStats" for i in range(progress[0], progress[-1]))
+    assert done[0].token_ids == single.complete("Hello world", max_tokens=40).token_ids
+    assert done[1].token_ids == single.complete(long, max_tokens=8).token_ids
+    assert done[1].summary.prompt_ms > 0
+
+
 def test_slot_arguments_are_checked(tiny_target, tiny_drafter):
     e = alone(tiny_target, tiny_drafter, n_slots=2)
     gen = e.run(e.prepare("Hello", max_tokens=40), 1)

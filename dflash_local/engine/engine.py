@@ -51,7 +51,16 @@ class Finished:
     logprobs: list[_native.TokenLogprob] | None = None  # one per token of token_ids, with generate(logprobs=N)
 
 
-Event = TextDelta | StepStats | Finished
+@dataclass
+class Prefilled:
+    """Progress of a prompt longer than one batch: its tokens decoded so far, after each chunk but the last (the
+    first TextDelta follows that one). Between chunks, generations in other slots take their turn."""
+
+    n_done: int
+    n_total: int
+
+
+Event = TextDelta | StepStats | Finished | Prefilled
 
 
 @dataclass
@@ -566,10 +575,8 @@ class Engine:
             return TextDelta(text, lp) if text or lp else None
 
         try:
-            with self._native:
-                t0 = time.perf_counter()
-                tokens.append(self._prefill(sl.id, ids, n_cached, sampler, drafter))
-                prompt_ms = (time.perf_counter() - t0) * 1000
+            first, prompt_ms = yield from self._prefill(sl.id, ids, n_cached, sampler, drafter)
+            tokens.append(first)
             if ev := delta(out.add(tokens[-1:]), 0):
                 yield ev
 
@@ -643,9 +650,11 @@ class Engine:
                 d.crop(n)
         return n
 
-    def _prefill(self, slot: int, ids: list[int], n_cached: int, sampler, drafter: Drafter | None) -> int:
-        """Decode the prompt after the cached prefix; return the first generated token."""
+    def _prefill(self, slot: int, ids: list[int], n_cached: int, sampler, drafter: Drafter | None):
+        """Decode the prompt after the cached prefix, a batch at a time (yielding Prefilled between batches); return
+        the first generated token and the milliseconds the batches took."""
         s = self.session
+        ms = 0.0
         # a recurrent state cannot be cut back later: checkpoint it before the prompt's last token, where the next
         # prompt that repeats or extends this one can start again (PromptCache.reusable)
         ends = [len(ids) - 1, len(ids)] if s.recurrent and len(ids) - 1 > n_cached else [len(ids)]
@@ -653,14 +662,19 @@ class Engine:
         off = n_cached
         for end in ends:
             while off < end:
-                chunk = ids[off : min(off + chunk_size, end)]
-                first = s.prefill(chunk, sampler if off + len(chunk) == len(ids) else None, 0, slot)
-                if drafter:
-                    drafter.extend(s, off, len(chunk))
+                with self._native:
+                    t0 = time.perf_counter()
+                    chunk = ids[off : min(off + chunk_size, end)]
+                    first = s.prefill(chunk, sampler if off + len(chunk) == len(ids) else None, 0, slot)
+                    if drafter:
+                        drafter.extend(s, off, len(chunk))
+                    if off + len(chunk) == end < len(ids):
+                        s.checkpoint(slot)
+                    ms += (time.perf_counter() - t0) * 1000
                 off += len(chunk)
-            if end < len(ids):
-                s.checkpoint(slot)
-        return first
+                if off < len(ids):
+                    yield Prefilled(off, len(ids))
+        return first, ms
 
     def _propose(self, slot: int, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
         """The first proposal of the chain of (drafter, policy): each drafts as many tokens as its policy chooses

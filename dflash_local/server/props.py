@@ -83,6 +83,7 @@ def slots(engine: Engine, tasks) -> list[dict]:
                "is_processing": task is not None and task.processing}
         if task is not None:
             out |= {"id_task": task.id_task, "n_prompt_tokens": task.n_prompt, "n_prompt_tokens_cache": task.n_cached,
+                    "n_prompt_tokens_processed": task.n_prompt_done,
                     "next_token": [{"has_next_token": task.processing, "n_remain": task.max_tokens - task.n_decoded,
                                     "n_decoded": task.n_decoded}]}
         rows.append(out)

@@ -1,8 +1,9 @@
 """Runs engine generations in the engine's slots, in a worker thread, for asyncio callers (the server).
 
 A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
-picks one) or waits in a bounded FIFO queue. The worker advances every running generation by one engine step in
-turn, so a request that arrives while others stream starts at the next step instead of after they end, and each
+picks one) or waits in a bounded FIFO queue. The worker advances every running generation by one engine step (or one
+batch of its prompt) in turn, so a request that arrives while others stream starts at the next step instead of after
+they end, and each
 slot's output is that of the request run alone (engine.py). A caller that goes away sets its job's cancel flag; the
 worker stops that generation before its next step and frees the slot.
 """
@@ -14,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine.engine import Engine, Finished, Generation
+from ..engine.engine import Engine, Finished, Generation, Prefilled
 from ..engine.stats import StepStats
 
 
@@ -56,6 +57,7 @@ class Task:
     n_prompt: int
     max_tokens: int
     n_decoded: int = 0
+    n_prompt_done: int = 0  # prompt tokens in the cache so far (a long prompt is decoded a batch per turn)
     n_cached: int = 0  # prompt tokens reused from the slot's previous generation (known once it finishes)
     processing: bool = True
 
@@ -125,6 +127,7 @@ class Runner:
         job.put(_DONE)
 
     def _work(self) -> None:
+        turns: deque[int] = deque()  # running slots, the next to take a turn first
         while True:
             with self._cv:
                 while not self._waiting and not self._running:
@@ -135,24 +138,39 @@ class Runner:
                         job.put(_DONE)
                         continue
                     self._start(job)
-            # one event of each running generation in turn: an engine step at most
-            for slot in list(self._running):
-                job, gen = self._running[slot]
-                if job.cancel.is_set():
-                    self._end(slot)
-                    continue
-                try:
-                    ev = next(gen)
-                except StopIteration:
-                    self._end(slot)
-                    continue
-                except Exception as e:  # reported to the caller, who turns it into an HTTP error
-                    job.put(e)
-                    self._end(slot)
-                    continue
-                task = self.slots[slot]
-                if isinstance(ev, StepStats):  # the prefill's token, then what each step added
-                    task.n_decoded = max(task.n_decoded, 1) + ev.n_tokens
-                elif isinstance(ev, Finished):
-                    task.n_decoded, task.n_cached = len(ev.token_ids), ev.summary.n_cached
-                job.put(ev)
+                    if job.slot in self._running:
+                        # its prompt goes first: its first token waits for the step running now at most
+                        turns.appendleft(job.slot)
+            if not turns:
+                continue
+            slot = turns.popleft()
+            if self._turn(slot):
+                turns.append(slot)
+
+    def _turn(self, slot: int) -> bool:
+        """One event of the slot's generation (an engine step, or a batch of its prompt, at most); whether it runs
+        on."""
+        job, gen = self._running[slot]
+        if job.cancel.is_set():
+            self._end(slot)
+            return False
+        try:
+            ev = next(gen)
+        except StopIteration:
+            self._end(slot)
+            return False
+        except Exception as e:  # reported to the caller, who turns it into an HTTP error
+            job.put(e)
+            self._end(slot)
+            return False
+        task = self.slots[slot]
+        if isinstance(ev, Prefilled):
+            task.n_prompt_done = ev.n_done
+            return True
+        task.n_prompt_done = task.n_prompt
+        if isinstance(ev, StepStats):  # the prefill's token, then what each step added
+            task.n_decoded = max(task.n_decoded, 1) + ev.n_tokens
+        elif isinstance(ev, Finished):
+            task.n_decoded, task.n_cached = len(ev.token_ids), ev.summary.n_cached
+        job.put(ev)
+        return True
