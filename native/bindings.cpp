@@ -259,6 +259,16 @@ PYBIND11_MODULE(_native, m) {
                  return ss.step(last, draft, plain, index, false, head_rows, slot);
              }, py::arg("last"), py::arg("draft"), py::arg("sampling"), py::arg("index"), py::arg("head_rows") = 1,
              py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("step_batch", [](Session & ss, const std::vector<std::tuple<int, llama_token, std::vector<llama_token>,
+                                                                 Sampler *, uint64_t, bool, int>> & steps) {
+                 std::vector<SlotStep> v;
+                 for (const auto & [slot, last, draft, sampler, index, rejection, head_rows] : steps) {
+                     v.push_back({slot, last, draft, sampler, index, rejection, head_rows});
+                 }
+                 return ss.step_batch(v);
+             }, py::arg("steps"), py::call_guard<py::gil_scoped_release>(),
+             "Several slots' steps in one target decode: (slot, last, draft, sampler, index, rejection, head_rows) "
+             "each; their StepResults in the same order.")
         .def("features", &Session::features)
         .def("decode_rows", &Session::decode_rows, py::arg("tokens"), py::arg("pos"), py::arg("seq"),
              py::arg("top_k") = 1, py::call_guard<py::gil_scoped_release>())

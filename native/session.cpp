@@ -178,8 +178,16 @@ Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampl
 StepResult Session::step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
                          bool rejection, int head_rows, int slot) {
     Slot & sl = at(slot);
-    check_tokens({last});
+    check_step(sl, last, draft, s, rejection);
     head_first = std::max(head_rows, 1);
+    StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
+    sl.q_tokens.clear();  // its distributions are spent
+    return r;
+}
+
+void Session::check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft,
+                         const Sampler & s, bool rejection) const {
+    check_tokens({last});
     check_tokens(draft);
     if (sl.past + 1 > n_ctx) {
         throw std::length_error("context is full");
@@ -192,9 +200,199 @@ StepResult Session::step(llama_token last, const std::vector<llama_token> & draf
             throw std::invalid_argument("rejection sampling verifies the draft this slot last sampled");
         }
     }
-    StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
-    sl.q_tokens.clear();  // its distributions are spent
-    return r;
+}
+
+// Several slots' steps in one target decode: each slot's block (its last token and draft) goes into one batch, the
+// slots in ascending order, and each slot accepts, rolls back and feeds its drafter as step() does. A slot's rows
+// are computed as in a decode of its own (a cache per sequence, batch-invariant kernels), so each slot's result is
+// the one step() would give. Not for recurrent targets (their snapshots and checkpoints are per decode) nor a padded
+// session. Should it fail, every slot of the batch is put back as it was.
+std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps) {
+    if (recurrent || pad) {
+        throw std::logic_error("a recurrent target or a padded session steps one slot at a time");
+    }
+    std::vector<int> order(steps.size());
+    for (size_t k = 0; k < steps.size(); ++k) {
+        const SlotStep & st = steps[k];
+        if (!st.sampler) {
+            throw std::invalid_argument("every slot's step needs its sampler");
+        }
+        check_step(at(st.slot), st.last, st.draft, *st.sampler, st.rejection);
+        for (size_t j = 0; j < k; ++j) {
+            if (steps[j].slot == st.slot) {
+                throw std::invalid_argument("slot " + std::to_string(st.slot) + " has two steps in one batch");
+            }
+        }
+        order[k] = (int) k;
+    }
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return steps[a].slot < steps[b].slot; });
+    LogScope log(verbose);
+    std::vector<StepResult> res(steps.size());
+    std::vector<int> p0(steps.size());
+    for (size_t k = 0; k < steps.size(); ++k) {
+        p0[k] = at(steps[k].slot).past;
+    }
+    try {
+        // the blocks, as many per decode as the batch holds
+        for (size_t g0 = 0; g0 < order.size();) {
+            std::vector<int> group;
+            std::vector<int> row0;
+            int n = 0;
+            llama_batch_ext_clear(batch_tgt);
+            for (size_t g = g0; g < order.size(); ++g) {
+                const int k = order[g];
+                const SlotStep & st = steps[k];
+                Slot & sl = at(st.slot);
+                StepResult & r = res[k];
+                r.draft = cut_draft(sl, st.draft, *st.sampler);
+                const int rows = (int) r.draft.size() + 1;
+                if (n + rows > n_batch) {
+                    break;
+                }
+                group.push_back(k);
+                row0.push_back(n);
+                for (int i = 0; i < rows; ++i) {
+                    add_token(batch_tgt, i == 0 ? st.last : r.draft[i - 1], sl.past + i, true, st.slot);
+                }
+                n += rows;
+            }
+            g0 += group.size();
+            const auto t0 = std::chrono::steady_clock::now();
+            capture = true;  // features of every row; a slot without capture defers none
+            run_target(n, n, true);
+            // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows
+            // the eval callback copied back in batch order
+            std::vector<int> seq;
+            for (size_t j = 0; j < group.size(); ++j) {
+                seq.insert(seq.end(), (int) res[group[j]].draft.size() + 1, steps[group[j]].slot);
+            }
+            const std::vector<int> perm = ubatch_order(seq, (int) llama_n_ubatch(ctx_tgt));
+            auto unshuffle = [&](std::vector<float> & rows, size_t width, int n_rows) {
+                if (n_rows == 0 || width == 0) {
+                    return;
+                }
+                std::vector<float> tmp(rows.begin(), rows.begin() + (size_t) n_rows * width);
+                for (int i = 0; i < n_rows; ++i) {
+                    std::memcpy(&rows[(size_t) perm[i] * width], &tmp[(size_t) i * width], width * sizeof(float));
+                }
+            };
+            unshuffle(hidden, n_embd, hidden_rows);
+            if (!layer_api) {
+                unshuffle(feats, layers.size() * (size_t) n_embd, feat_rows);
+            }
+            const double decode_ms = ms_since(t0);
+            head_ranges.clear();
+            for (size_t j = 0; j < group.size(); ++j) {
+                const int rows = (int) res[group[j]].draft.size() + 1;
+                head_ranges.push_back({row0[j], row0[j] + rows, 0, std::max(steps[group[j]].head_rows, 1)});
+            }
+            double shared_head_ms = 0.0;
+            if (hidden_rows > 0) {
+                // every block's first rows in one head call: the matrix is read once for all of them
+                const auto th = std::chrono::steady_clock::now();
+                const int n_vocab = tgt.n_vocab();
+                std::vector<float> x, y;
+                for (const HeadRange & h : head_ranges) {
+                    const int m = std::min(h.first, h.hi - h.lo);
+                    x.insert(x.end(), &hidden[(size_t) h.lo * n_embd], &hidden[(size_t) (h.lo + m) * n_embd]);
+                }
+                const int m_all = (int) (x.size() / n_embd);
+                y.resize((size_t) m_all * n_vocab);
+                compute_head(x.data(), y.data(), m_all);
+                size_t off = 0;
+                for (HeadRange & h : head_ranges) {
+                    h.done = std::min(h.first, h.hi - h.lo);
+                    std::memcpy(&head_logits[(size_t) h.lo * n_vocab], &y[off], (size_t) h.done * n_vocab * 4);
+                    off += (size_t) h.done * n_vocab;
+                }
+                shared_head_ms = ms_since(th);
+            }
+            for (size_t j = 0; j < group.size(); ++j) {
+                const int k = group[j];
+                const SlotStep & st = steps[k];
+                StepResult & r = res[k];
+                const int rows = (int) r.draft.size() + 1;
+                // the decode's cost shared by rows: each slot's part is what its rows added to the batch
+                r.verify_ms = (decode_ms + shared_head_ms) * rows / n;
+                head_ms = 0.0;
+                const auto t_sample = std::chrono::steady_clock::now();
+                accept(r, row0[j], *st.sampler, st.index, st.rejection, st.slot);
+                r.head_ms = head_ms;
+                r.head_rows = head_ranges[j].done;
+                r.sample_ms = ms_since(t_sample) - head_ms;
+                r.verify_ms += head_ms;
+                settle(r, st.last, rows, row0[j], st.slot);
+                at(st.slot).q_tokens.clear();
+            }
+        }
+        for (StepResult & r : res) {  // its part of the batch: the shared decode's share and its own work
+            r.step_ms = r.verify_ms + r.sample_ms + r.rollback_ms + r.draft_ms;
+        }
+    } catch (...) {
+        feat_rows = 0;
+        n_out = 0;
+        collecting = false;
+        for (size_t k = 0; k < steps.size(); ++k) {
+            at(steps[k].slot).q_tokens.clear();
+            keep(p0[k], steps[k].slot);
+        }
+        throw;
+    }
+    return res;
+}
+
+// The order in which llama.cpp computes the rows of a batch when each sequence has a cache of its own (its
+// split_equal, sequential): ubatch after ubatch, each taking a run of sequences with consecutive ids and as many rows
+// of each as the shortest of them has left (and the ubatch holds), sequence after sequence. Returns, for each row in
+// that order, its index in the batch.
+std::vector<int> Session::ubatch_order(const std::vector<int> & seq, int n_ubatch) {
+    const int n = (int) seq.size();
+    std::vector<char> used(n, 0);
+    std::vector<int> out;
+    while ((int) out.size() < n) {
+        std::vector<int> seqs;
+        for (int i = 0; i < n; ++i) {
+            if (used[i] || std::find(seqs.begin(), seqs.end(), seq[i]) != seqs.end() ||
+                (!seqs.empty() && seq[i] != seqs.back() + 1)) {
+                continue;
+            }
+            seqs.push_back(seq[i]);
+            if ((int) seqs.size() > n_ubatch) {
+                break;
+            }
+        }
+        std::vector<std::vector<int>> rows(seqs.size());
+        std::vector<int> next(seqs.size(), 0);
+        auto next_row = [&](size_t s) {  // the next unused row of seqs[s], or -1
+            for (int & i = next[s]; i < n; ++i) {
+                if (!used[i] && seq[i] == seqs[s]) {
+                    return i;
+                }
+            }
+            return -1;
+        };
+        while (true) {
+            bool all = true;
+            for (size_t s = 0; s < seqs.size() && all; ++s) {
+                all = next_row(s) >= 0;
+            }
+            if (!all) {
+                break;
+            }
+            for (size_t s = 0; s < seqs.size(); ++s) {
+                const int i = next_row(s);
+                rows[s].push_back(i);
+                used[i] = 1;
+            }
+            if ((rows[0].size() + 1) * seqs.size() > (size_t) n_ubatch) {
+                break;
+            }
+        }
+        for (auto & r : rows) {
+            out.insert(out.end(), r.begin(), r.end());
+        }
+    }
+    return out;
 }
 
 // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
@@ -350,24 +548,29 @@ const float * Session::target_row(int i) {
     if (i < 0 || i >= hidden_rows) {
         fail("no target logits for output row " + std::to_string(i));
     }
-    if (i >= head_done) {
-        // rows are read in order: first the head_first rows the step's caller expects to read, then as many
+    auto h = std::find_if(head_ranges.begin(), head_ranges.end(), [&](const HeadRange & r) { return i < r.hi; });
+    if (h == head_ranges.end() || i < h->lo) {
+        fail("no target logits for output row " + std::to_string(i));
+    }
+    if (i >= h->lo + h->done) {
+        // a block's rows are read in order: first the `first` rows the step's caller expects to read, then as many
         // more as have been read (doubling): a call costs a few ms beyond its rows (docs/measurements.md), so a
-        // batch whose drafts are accepted pays a few calls, and one rejected early one or two rows
-        const int end = std::min(hidden_rows, std::max(i + 1, head_done ? 2 * head_done : head_first));
-        compute_head(head_done, end);
-        head_done = end;
+        // block whose drafts are accepted pays a few calls, and one rejected early one or two rows
+        const int end = std::min(h->hi, std::max(i + 1, h->lo + (h->done ? 2 * h->done : h->first)));
+        const int i0 = h->lo + h->done;
+        compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[(size_t) i0 * tgt.n_vocab()], end - i0);
+        h->done = end - h->lo;
     }
     return &head_logits[(size_t) i * tgt.n_vocab()];
 }
 
-void Session::compute_head(int i0, int i1) {
+// The LM head of r final-norm rows x into their logits y.
+void Session::compute_head(const float * x_rows, float * y_rows, int r) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
-    const int r = i1 - i0;
     const int nth = (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
     if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
-        head_vec_dot(i0, r, nth);
+        head_vec_dot(x_rows, y_rows, r, nth);
         head_ms += ms_since(t0);
         return;
     }
@@ -389,9 +592,9 @@ void Session::compute_head(int i0, int i1) {
         fail("could not allocate the LM head's graph");
     }
     ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, n_embd, r);
-    x->data = &hidden[(size_t) i0 * n_embd];
+    x->data = const_cast<float *>(x_rows);
     ggml_tensor * y = ggml_mul_mat(g, head_w, x);
-    y->data = &head_logits[(size_t) i0 * n_vocab];
+    y->data = y_rows;
     ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
     ggml_build_forward_expand(gf, y);
     const ggml_status st = ggml_backend_graph_compute(head_cpu, gf);
@@ -405,14 +608,14 @@ void Session::compute_head(int i0, int i1) {
 // pad: rows [i0, i0 + r) of the LM head with ggml's one-row kernel (vec_dot), each row's bits those of llama.cpp's
 // head for a prompt's one output row; as ggml's own loop does, the rows go through the matrix in blocks of 16
 // matrix rows, each block read once for every row. (ggml's matmul would give two rows or more to sgemm.)
-void Session::head_vec_dot(int i0, int r, int nth) {
+void Session::head_vec_dot(const float * x_rows, float * out, int r, int nth) {
     const int n_vocab = tgt.n_vocab();
     const ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(head_w->type);
     const ggml_type vt = tw->vec_dot_type;
     const size_t xrow = ggml_row_size(vt, n_embd);
     head_q.resize((size_t) r * xrow);
     for (int j = 0; j < r; ++j) {  // as ggml converts a matmul's rows to the kernel's type
-        const float * src = &hidden[(size_t) (i0 + j) * n_embd];
+        const float * src = &x_rows[(size_t) j * n_embd];
         if (vt == GGML_TYPE_F32) {
             std::memcpy(&head_q[j * xrow], src, xrow);
         } else {
@@ -421,7 +624,6 @@ void Session::head_vec_dot(int i0, int r, int nth) {
     }
     const char * w = (const char *) head_w->data;
     const size_t wrow = head_w->nb[1];
-    float * out = &head_logits[(size_t) i0 * n_vocab];
     auto work = [&](int v0, int v1) {
         for (int b0 = v0; b0 < v1; b0 += 16) {
             const int b1 = std::min(v1, b0 + 16);
@@ -737,18 +939,9 @@ void Session::add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool 
 StepResult Session::step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
                                    uint64_t index, bool rejection, int slot) {
     Slot & sl = at(slot);
-    const int past = sl.past;
     const auto t_step = std::chrono::steady_clock::now();
     StepResult r;
-    // never verify past the end of the context or the batch
-    // (pad: nor into the last cell, which is decoded alone)
-    const int room = std::max(0, std::min(n_ctx - past - 1 - pad, n_batch - 1));
-    r.draft.assign(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
-    r.draft.resize(s.grammar_prefix(r.draft));  // a draft token the grammar refuses could never be accepted
-    if (pad && !r.draft.empty() && ((int) r.draft.size() + 1) % (int) llama_n_ubatch(ctx_tgt) == 1) {
-        r.draft.pop_back();  // no ubatch of one row
-    }
-
+    r.draft = cut_draft(sl, draft, s);
     std::vector<llama_token> block;
     block.reserve(r.draft.size() + 1);
     block.push_back(last);
@@ -765,18 +958,43 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     const auto t1 = std::chrono::steady_clock::now();
     // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
     // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
-    decode_target(block.data(), (int) block.size(), past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand,
+    decode_target(block.data(), (int) block.size(), sl.past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand,
                   slot);
     r.verify_ms = ms_since(t1);
     head_ms = 0.0;
 
-    // accept while the target's own choice equals the draft (or, rejection sampling, while it keeps the draft
-    // token); the first disagreement is the target's token
     const auto t_sample = std::chrono::steady_clock::now();
+    accept(r, 0, s, index, rejection, slot);
+    r.head_ms    = head_ms;  // the rows' LM head ran inside the loop: target compute, not sampling
+    r.head_rows  = head_ranges.empty() ? 0 : head_ranges[0].done;
+    r.sample_ms  = ms_since(t_sample) - head_ms;
+    r.verify_ms += head_ms;
+    settle(r, last, (int) block.size(), 0, slot);
+    r.step_ms = ms_since(t_step);
+    return r;
+}
+
+// The part of a draft a step verifies: never past the end of the context or the batch (pad: nor into the last
+// cell, which is decoded alone), nor past a token the grammar refuses, which could never be accepted.
+std::vector<llama_token> Session::cut_draft(const Slot & sl, const std::vector<llama_token> & draft,
+                                            Sampler & s) const {
+    const int room = std::max(0, std::min(n_ctx - sl.past - 1 - pad, n_batch - 1));
+    std::vector<llama_token> d(draft.begin(), draft.begin() + std::min<int>((int) draft.size(), room));
+    d.resize(s.grammar_prefix(d));
+    if (pad && !d.empty() && ((int) d.size() + 1) % (int) llama_n_ubatch(ctx_tgt) == 1) {
+        d.pop_back();  // no ubatch of one row
+    }
+    return d;
+}
+
+// Accept while the target's own choice (row row0 + a of the last decode) equals the draft (or, rejection sampling,
+// while it keeps the draft token); the first disagreement is the target's token.
+void Session::accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot) {
     const size_t n_vocab = tgt.n_vocab();
+    const Slot & sl = at(slot);
     int a = 0;
     for (;; ++a) {
-        const float * row = target_row(a);
+        const float * row = target_row(row0 + a);
         const llama_token t = rejection && a < (int) r.draft.size()
                                   ? s.judge(row, r.draft[a], &sl.q_rows[a * n_vocab], index + a)
                                   : s.next(row, index + a, cand);
@@ -786,13 +1004,15 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
         }
     }
     r.n_accepted = a;
-    r.head_ms    = head_ms;  // the rows' LM head ran inside the loop: target compute, not sampling
-    r.head_rows  = head_done;
-    r.sample_ms  = ms_since(t_sample) - head_ms;
-    r.verify_ms += head_ms;
+}
 
-    const int p0 = past;
-    const int n_drop = (int) block.size() - (a + 1);
+// After the accept loop: drop the rejected rows of the slot's block (n_block rows from its position, rows row0.. of
+// the last decode) from the target, and keep the accepted positions' features for the drafter.
+void Session::settle(StepResult & r, llama_token last, int n_block, int row0, int slot) {
+    Slot & sl = at(slot);
+    const int p0 = sl.past;
+    const int a = r.n_accepted;
+    const int n_drop = n_block - (a + 1);
     if (n_drop > 0) {
         const auto t0 = std::chrono::steady_clock::now();
         if (!recurrent) {
@@ -807,19 +1027,19 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
                 fail("could not restore the target's recurrent checkpoint");
             }
             drop_from(ctx_tgt, p0, "target", slot);
-            replay(block.data(), a + 1, p0, slot);
+            std::vector<llama_token> kept{last};
+            kept.insert(kept.end(), r.draft.begin(), r.draft.begin() + a);
+            replay(kept.data(), a + 1, p0, slot);
             r.rollback = "checkpoint";
         }
         r.rollback_ms += ms_since(t0);
     }
     if (ctx_dft && sl.capture) {
         const auto t2 = std::chrono::steady_clock::now();
-        defer(p0, a + 1, slot);
+        defer(p0, a + 1, slot, row0);
         r.draft_ms += ms_since(t2);
     }
     sl.past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
-    r.step_ms = ms_since(t_step);
-    return r;
 }
 
 void Session::decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot) {
@@ -862,7 +1082,8 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
     probe_prev = probe_w = nullptr;
     probe_tail = 0;
-    hidden_rows = head_done = norm_seen = 0;
+    hidden_rows = norm_seen = 0;
+    head_ranges.clear();
     if (lazy) {
         hidden.resize((size_t) n * n_embd);
         head_logits.resize((size_t) n * tgt.n_vocab());
@@ -896,6 +1117,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
         hidden_rows = n_real;
+        head_ranges = {{0, n_real, 0, head_first}};
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;
@@ -996,7 +1218,7 @@ void Session::replay(const llama_token * toks, int n, int pos0, int slot) {
 // they cost a drafter call at every plain step of the adaptive policy, which needs none of them until it drafts
 // again. The drafter's cache then holds the same K/V as with injection at every token: a feature row's K/V
 // depend on that row and its position only.
-void Session::defer(int pos0, int n, int slot) {
+void Session::defer(int pos0, int n, int slot, int row0) {
     Slot & sl = at(slot);
     if (pos0 != sl.dft_past + sl.n_pending) {
         // positions decoded without capture lie between: the drafter never sees them (as before deferral)
@@ -1008,7 +1230,7 @@ void Session::defer(int pos0, int n, int slot) {
     for (int i = 0; i < n;) {
         const int take = std::min(n - i, cap - sl.n_pending);
         sl.pending.resize((size_t) (sl.n_pending + take) * width);
-        std::memcpy(&sl.pending[(size_t) sl.n_pending * width], &feats[(size_t) i * width],
+        std::memcpy(&sl.pending[(size_t) sl.n_pending * width], &feats[(size_t) (row0 + i) * width],
                     take * width * sizeof(float));
         sl.n_pending += take;
         i += take;

@@ -38,6 +38,17 @@ struct StepResult {
     std::string rollback;                  // how they were dropped: "" (none rejected), "kv", "snapshot", "checkpoint"
 };
 
+// One slot's part of a step that verifies several slots' blocks in one target decode (Session::step_batch).
+struct SlotStep {
+    int slot = 0;
+    llama_token last = 0;
+    std::vector<llama_token> draft;
+    Sampler * sampler = nullptr;
+    uint64_t index = 0;
+    bool rejection = false;
+    int head_rows = 1;
+};
+
 // The llama_context_params fields a user sets (llama.cpp's -c, -b, -ub, -t, -tb, -fa, -ctk, -ctv, -ctkd, -ctvd).
 struct ContextOptions {
     int n_ctx = 4096;  // 0: the model's trained context
@@ -124,6 +135,7 @@ public:
                 int slot = 0);
     StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
                     bool rejection, int head_rows = 1, int slot = 0);
+    std::vector<StepResult> step_batch(const std::vector<SlotStep> & steps);
     py::array_t<float> logits(int row);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
@@ -244,14 +256,19 @@ private:
     std::vector<float> hidden;         // [n_rows, n_embd] final-norm rows of the last on-demand decode
     int norm_seen = 0;                 // rows of them the eval callback copied
     int hidden_rows = 0;               // 0: the last decode's logits are llama.cpp's
-    std::vector<float> head_logits;    // [hidden_rows, n_vocab], rows [0, head_done) computed
-    int head_done = 0;
-    int head_first = 1;                // rows of the first head call (step's head_rows)
+    std::vector<float> head_logits;    // [hidden_rows, n_vocab]
+    // The rows of one slot's block in the last decode, [lo, hi): the accept loop reads them in order, and rows
+    // [lo, lo + done) have their LM head computed; the first call computes `first` rows (step's head_rows).
+    struct HeadRange {
+        int lo, hi, done, first;
+    };
+    std::vector<HeadRange> head_ranges;
+    int head_first = 1;                // the first head call's rows of the next decode's one range
     double head_ms = 0.0;              // time in compute_head since the step began
 
     const float * target_row(int i);
-    void compute_head(int i0, int i1);
-    void head_vec_dot(int i0, int r, int nth);
+    void compute_head(const float * x_rows, float * y_rows, int r);
+    void head_vec_dot(const float * x_rows, float * out, int r, int nth);
     void check_arguments(const ContextOptions & o);
     void create_contexts(const ContextOptions & o, int n_rs_seq);
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
@@ -270,13 +287,19 @@ private:
     static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
     StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
                               uint64_t index, bool rejection, int slot);
+    void check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft, const Sampler & s,
+                    bool rejection) const;
+    std::vector<llama_token> cut_draft(const Slot & sl, const std::vector<llama_token> & draft, Sampler & s) const;
+    void accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot);
+    void settle(StepResult & r, llama_token last, int n_block, int row0, int slot);
+    static std::vector<int> ubatch_order(const std::vector<int> & seq, int n_ubatch);
     void decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot);
     bool add_scratch(llama_token tok, int n, int pos0, bool output);
     void drop_scratch();
     void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);
     static bool eval_cb(ggml_tensor * t, bool ask, void * user);
     void replay(const llama_token * toks, int n, int pos0, int slot);
-    void defer(int pos0, int n, int slot);
+    void defer(int pos0, int n, int slot, int row0 = 0);
     void flush(int slot);
     void inject(int pos0, const float * rows, int n, int slot);
     void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,

@@ -101,8 +101,8 @@ def test_each_slot_gives_the_output_of_its_request_run_alone(pair, engine_kw, re
 
 def test_a_slot_keeps_its_own_prompt_cache(tiny_target, tiny_drafter):
     e = alone(tiny_target, tiny_drafter, n_slots=2)
-    first = interleave(e, {0: dict(prompt="The quick brown fox", max_tokens=12),
-                           1: dict(prompt="def total(values):\n", max_tokens=12)})
+    interleave(e, {0: dict(prompt="The quick brown fox", max_tokens=12),
+                   1: dict(prompt="def total(values):\n", max_tokens=12)})
     # the next turn of each conversation finds its own tokens in its own slot
     for slot, p in ((1, "def total(values):\n"), (0, "The quick brown fox")):
         turn = p + " and then"
@@ -277,3 +277,56 @@ def test_serve_np_splits_the_context_and_checks_its_value(tiny_target):
     with serve_command("-m", tiny_target) as url:  # llama-server's default: 4 slots; 4096 tokens each without -c
         props = httpx.get(url + "/props").json()
         assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 2048  # its trained
+
+
+@pytest.mark.parametrize("pair", ["tiny", "gemma"])
+def test_a_batched_step_of_several_slots_is_each_slots_own_step(pair, request, tiny_target, tiny_drafter):
+    """Session.step_batch verifies every slot's block in one target decode (the engine does not use it yet): each
+    slot's tokens, acceptance and rollback are those of its own step, for blocks of equal and of mixed lengths, with
+    planted errors at every offset, and the generation is plain decoding's."""
+    from dflash_local import _native
+
+    if pair == "tiny":
+        target, drafter = tiny_target, tiny_drafter
+    else:
+        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    single = alone(target, drafter)
+    prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time", "Hello world"]
+    want = [single.complete(p, max_tokens=48, draft=False).token_ids for p in prompts]
+    runs = {}
+    for batched in (True, False):
+        e = alone(target, drafter, n_slots=4)
+        s = e.session
+        samplers = [_native.Sampler(e.target, _native.Sampling()) for _ in prompts]
+        toks = [[s.prefill(e.prompt_tokens(p), samplers[k], 0, k)] for k, p in enumerate(prompts)]
+        steps, n = [], 0
+        while min(len(t) for t in toks) < 48:
+            reqs = []
+            for k in range(4):
+                j = len(toks[k])  # the plain continuation, with an error at a position that cycles through 0..L
+                length = 4 if n % 2 else (n + k) % 5
+                draft = list(want[k][j:j + length]) + [0] * max(0, j + length - len(want[k]))
+                if (n + k) % (length + 1) < length:
+                    draft[(n + k) % (length + 1)] = (draft[(n + k) % (length + 1)] + 1) % e.target.n_vocab
+                reqs.append((k, toks[k][-1], draft, samplers[k], j, False, 2))
+            res = s.step_batch(reqs) if batched else [s.step(last, d, sm, i, rj, hr, k)
+                                                      for k, last, d, sm, i, rj, hr in reqs]
+            for k, r in enumerate(res):
+                toks[k].extend(r.tokens)
+                steps.append((k, r.n_accepted, r.tokens, r.rollback))
+            n += 1
+        runs[batched] = steps
+        assert [t[:48] for t in toks] == [w[:48] for w in want]
+    assert runs[True] == runs[False]
+    assert {a for _, a, _, _ in runs[True]} == set(range(5))
+    with pytest.raises(ValueError, match="slot 1 has two steps"):
+        s.step_batch([(1, toks[1][-1], [], samplers[1], 60, False, 1)] * 2)
+
+
+def test_a_batched_step_is_not_for_a_recurrent_target(qwen35_pair):
+    from dflash_local import _native
+
+    e = Engine(*qwen35_pair, n_ctx=256, n_slots=2)
+    sm = _native.Sampler(e.target, _native.Sampling())
+    with pytest.raises(RuntimeError, match="one slot at a time"):
+        e.session.step_batch([(0, 1, [], sm, 0, False, 1)])
