@@ -36,6 +36,10 @@ class PlantedEngine:
         # the planted text ends as a model's answer does, at an end-of-generation token
         yield Finished("".join(self.pieces), real.token_ids, replace(real.summary, finish_reason="eos"))
 
+    def generation(self, generation: Generation, slot: int = 0):
+        """What the server's runner drives: the planted events (no step to run)."""
+        return self.run(generation, slot)
+
     def last_prompt(self) -> str:
         """The prompt text of the last request."""
         return self.requests[-1].prompt_text

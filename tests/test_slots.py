@@ -14,6 +14,7 @@ from scripted import ScriptedDrafter
 from test_server import ServerThread, serve_command
 
 from dflash_local import Engine, EngineBusyError, Finished, StepStats
+from dflash_local.engine.engine import StepRequest
 from dflash_local.server.app import create_app
 
 # a mix of requests: greedy drafting, plain decoding, seeded sampling, a grammar, a stop string
@@ -27,21 +28,31 @@ REQUESTS = [
 
 
 def interleave(engine: Engine, jobs: dict[int, dict]) -> dict[int, tuple[Finished, list[StepStats]]]:
-    """Run each request in its slot, one event of each in turn (as the server's runner does)."""
-    gens = {slot: engine.run(engine.prepare(**kw), slot) for slot, kw in jobs.items()}
+    """Run each request in its slot as the server's runner does: rounds in which every generation goes on to its
+    next step, then all their steps run together (Engine.step_many: one target decode where the target allows)."""
+    gens = {slot: engine.generation(engine.prepare(**kw), slot) for slot, kw in jobs.items()}
     steps = {slot: [] for slot in jobs}
+    results = dict.fromkeys(jobs)
     out = {}
     while gens:
+        requests = []
         for slot in list(gens):
-            try:
-                ev = next(gens[slot])
-            except StopIteration:
-                del gens[slot]
-                continue
-            if isinstance(ev, StepStats):
-                steps[slot].append(ev)
-            elif isinstance(ev, Finished):
-                out[slot] = (ev, steps[slot])
+            while True:
+                try:
+                    ev = gens[slot].send(results[slot])
+                except StopIteration:
+                    del gens[slot]
+                    break
+                results[slot] = None
+                if isinstance(ev, StepRequest):
+                    requests.append(ev)
+                    break
+                if isinstance(ev, StepStats):
+                    steps[slot].append(ev)
+                elif isinstance(ev, Finished):
+                    out[slot] = (ev, steps[slot])
+        for q, r in zip(requests, engine.step_many(requests) if requests else []):
+            results[q.slot] = r
     return out
 
 
@@ -224,6 +235,9 @@ def test_sixteen_mixed_clients_on_four_slots(tiny_target, tiny_drafter):
         if i % 3 == 0:
             body["stream"] = True
         bodies.append(body)
+    batches = []  # the number of slots' steps in each target decode the runner asked for
+    step_many = engine.step_many
+    engine.step_many = lambda requests: batches.append(len(requests)) or step_many(requests)
     s = ServerThread(create_app(lambda: engine, "tiny", max_queue=32))
     try:
         s.wait_healthy()
@@ -257,6 +271,7 @@ def test_sixteen_mixed_clients_on_four_slots(tiny_target, tiny_drafter):
         while any(r["is_processing"] for r in httpx.get(s.url + "/slots").json()):
             assert time.time() < end
             time.sleep(0.05)
+        assert max(batches) == 4 and 1 <= min(batches)  # four slots' steps verified in one decode
     finally:
         s.stop()
 
@@ -281,7 +296,8 @@ def test_serve_np_splits_the_context_and_checks_its_value(tiny_target):
 
 @pytest.mark.parametrize("pair", ["tiny", "gemma"])
 def test_a_batched_step_of_several_slots_is_each_slots_own_step(pair, request, tiny_target, tiny_drafter):
-    """Session.step_batch verifies every slot's block in one target decode (the engine does not use it yet): each
+    """Session.step_batch verifies every slot's block in one target decode (the server's runner, through
+    Engine.step_many): each
     slot's tokens, acceptance and rollback are those of its own step, for blocks of equal and of mixed lengths, with
     planted errors at every offset, and the generation is plain decoding's."""
     from dflash_local import _native

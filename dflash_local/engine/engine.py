@@ -64,6 +64,21 @@ Event = TextDelta | StepStats | Finished | Prefilled
 
 
 @dataclass
+class StepRequest:
+    """What a generation asks the target to verify at a step (Engine.generation yields it, and takes the native
+    StepResult back): the driver runs it alone (Engine.run) or with other slots' in one decode (the server's runner,
+    through Engine.step_many)."""
+
+    slot: int
+    last: int  # the newest token, not yet in the caches
+    draft: list[int]
+    sampler: _native.Sampler
+    index: int  # the generated token number of the target's token after `last`
+    rejection: bool
+    head_rows: int  # the verify rows the proposer expects to read
+
+
+@dataclass
 class Generation:
     """One generation's request, parsed and checked once (Engine.prepare), then run by the loop (Engine.run). The
     server, the CLI and the TUI hand this object on; its sampler holds the generation's sampling state, so it runs
@@ -535,6 +550,39 @@ class Engine:
     def run(self, r: Generation, slot: int = 0) -> Iterator[Event]:
         """Run a prepared generation in one of the engine's slots: yield TextDelta, StepStats and, last, Finished.
         Generations in other slots may run meanwhile (in other threads, or interleaved by one consumer)."""
+        gen = self.generation(r, slot)
+        try:
+            result = None
+            while True:
+                try:
+                    ev = gen.send(result)
+                except StopIteration:
+                    return
+                result = None
+                if isinstance(ev, StepRequest):
+                    try:
+                        result = self.step_many([ev])[0]
+                    except Exception as e:
+                        gen.throw(e)  # the generation records its cache, and the error goes on to the caller
+                    continue
+                yield ev
+        finally:
+            gen.close()
+
+    def step_many(self, requests: list[StepRequest]) -> list:
+        """Run the steps of several slots' generations: in one target decode where the target allows it (not a
+        recurrent one, not a padded session), else one after another. Each slot's result is the one its step alone
+        gives. Returns the native StepResults, in the order of the requests."""
+        s = self.session
+        with self._native:
+            if len(requests) > 1 and not s.recurrent and not s.pads_rows:
+                return s.step_batch([(q.slot, q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows)
+                                     for q in requests])
+            return [s.step(q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows, q.slot) for q in requests]
+
+    def generation(self, r: Generation, slot: int = 0):
+        """The generator behind run(): it yields run()'s events and, at each step, a StepRequest, and takes that
+        step's native StepResult back (generator.send). For a driver that runs several slots' steps together."""
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"no slot {slot}: the engine has {len(self.slots)}")
         sl = self.slots[slot]
@@ -587,13 +635,25 @@ class Engine:
                 room = max_tokens - len(out.ids) - 1  # drafts past max_tokens would be wasted
                 index = len(tokens) - len(ids)  # the number of the target's next generated token
                 with self._native:
-                    t_step = time.perf_counter()
+                    t0 = time.perf_counter()
                     proposer, proposal, ratings, draft_ms = self._propose(sl.id, chain, tokens, room, index, sampler,
                                                                           rejection)
-                    owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
-                    r, step_ms = self._step(sl.id, tokens, proposal, index, sampler, rejection, owner, drafter)
-                    t_end = time.perf_counter()
-                draft_ms += step_ms
+                    propose_ms = (time.perf_counter() - t0) * 1000
+                owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
+                pos0 = s.past(sl.id)
+                r = yield StepRequest(sl.id, tokens[-1], proposal, sampler, index, rejection,
+                                      owner.likely_rows(len(proposal)))
+                # the llama.cpp drafter took the accepted positions' features inside the step; another drafter
+                # takes them now, whoever proposed
+                draft_ms += r.draft_ms
+                extend_ms = 0.0
+                if drafter:
+                    with self._native:
+                        t0 = time.perf_counter()
+                        drafter.extend(s, pos0, r.n_accepted + 1)
+                        extend_ms = (time.perf_counter() - t0) * 1000
+                draft_ms += extend_ms
+                elapsed_ms = propose_ms + r.step_ms + extend_ms
                 ratings = ratings[: len(r.draft)] if ratings else None
                 tokens.extend(r.tokens)
                 n_out = len(out.ids)
@@ -606,7 +666,7 @@ class Engine:
                     draft_ms=draft_ms,
                     verify_ms=r.verify_ms,
                     rollback_ms=r.rollback_ms,
-                    other_ms=max((t_end - t_step) * 1000 - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
+                    other_ms=max(elapsed_ms - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
                     rollback=r.rollback,
                     ngram=proposer is not None and proposer is ngram,
                 )
@@ -698,22 +758,6 @@ class Engine:
                 return drafter, proposal, ratings, draft_ms
             spent = draft_ms if ratings else 0.0
         return None, [], None, spent
-
-    def _step(self, slot: int, tokens: list[int], proposal: list[int], index: int, sampler, rejection: bool,
-              policy: DraftPolicy, drafter: Drafter | None):
-        """The target verifies the proposal after `tokens` (its own token at each position is generated token number
-        index + i; `policy`, the proposer's, says how many verify rows it will likely read), and the drafter takes
-        the accepted positions' features, whoever proposed. Returns the native StepResult and the drafter's
-        milliseconds in it."""
-        s = self.session
-        pos0 = s.past(slot)
-        r = s.step(tokens[-1], proposal, sampler, index, rejection, policy.likely_rows(len(proposal)), slot)
-        draft_ms = r.draft_ms  # the llama.cpp drafter took the accepted positions' features inside the step
-        if drafter:
-            t0 = time.perf_counter()
-            drafter.extend(s, pos0, r.n_accepted + 1)
-            draft_ms += (time.perf_counter() - t0) * 1000
-        return r, draft_ms
 
     def _policy_for(self, sl: Slot, name: str, max_draft: int) -> DraftPolicy:
         """The adaptive policy of one drafter ('drafter' or 'ngram') in a slot, kept across generations (its timings

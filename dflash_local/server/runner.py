@@ -1,9 +1,9 @@
 """Runs engine generations in the engine's slots, in a worker thread, for asyncio callers (the server).
 
 A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
-picks one) or waits in a bounded FIFO queue. The worker advances every running generation by one engine step (or one
-batch of its prompt) in turn, so a request that arrives while others stream starts at the next step instead of after
-they end, and each
+picks one) or waits in a bounded FIFO queue. The worker runs rounds: every running generation goes on to its next
+step (or through one batch of its prompt), then all their steps run in one target decode (Engine.step_many). A
+request that arrives while others stream starts at the next round instead of after they end, and each
 slot's output is that of the request run alone (engine.py). A caller that goes away sets its job's cancel flag; the
 worker stops that generation before its next step and frees the slot.
 """
@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine.engine import Engine, Finished, Generation, Prefilled
+from ..engine.engine import Engine, Finished, Generation, Prefilled, StepRequest
 from ..engine.stats import StepStats
 
 
@@ -70,6 +70,7 @@ class Runner:
         self.slots: list[Task | None] = [None] * len(engine.slots)  # None until the slot's first generation
         self._waiting: deque[Job] = deque()
         self._running: dict[int, tuple[Job, object]] = {}  # slot -> (job, its engine generator)
+        self._results: dict[int, object] = {}  # slot -> its last step's result (or error), for its generator
         self._last_used = [0] * len(engine.slots)
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -110,7 +111,7 @@ class Runner:
         g = job.generation
         self.slots[slot] = Task(self.tasks, len(g.ids), g.max_tokens)
         try:
-            self._running[slot] = (job, self.engine.run(g, slot))
+            self._running[slot] = (job, self.engine.generation(g, slot))
         except Exception as e:  # the worker goes on; the caller gets the error
             self.slots[slot].processing = False
             job.put(e)
@@ -119,6 +120,7 @@ class Runner:
     def _end(self, slot: int) -> None:
         with self._cv:
             job, gen = self._running.pop(slot)
+            self._results.pop(slot, None)
         try:
             gen.close()  # a generation stopped early records its slot's cache here
         except Exception as e:
@@ -126,51 +128,76 @@ class Runner:
         self.slots[slot].processing = False
         job.put(_DONE)
 
+    def _admit(self) -> list[int]:
+        """Start waiting requests in free slots; their slots."""
+        started = []
+        with self._cv:
+            while self._waiting and len(self._running) < len(self.slots):
+                job = self._waiting.popleft()
+                if job.cancel.is_set():  # gave up while waiting
+                    job.put(_DONE)
+                    continue
+                self._start(job)
+                if job.slot in self._running:
+                    started.append(job.slot)
+        return started
+
     def _work(self) -> None:
-        turns: deque[int] = deque()  # running slots, the next to take a turn first
         while True:
             with self._cv:
                 while not self._waiting and not self._running:
                     self._cv.wait()
-                while self._waiting and len(self._running) < len(self.slots):
-                    job = self._waiting.popleft()
-                    if job.cancel.is_set():  # gave up while waiting
-                        job.put(_DONE)
-                        continue
-                    self._start(job)
-                    if job.slot in self._running:
-                        # its prompt goes first: its first token waits for the step running now at most
-                        turns.appendleft(job.slot)
-            if not turns:
+            # a round: each running generation goes on to its next step, or through one batch of its prompt (a
+            # request that arrives meanwhile starts before the next slot's turn, so its first token waits for one
+            # slot's draft at most), then the steps of all of them run in one target decode
+            requests, turned = [], set()
+            while True:
+                fresh = self._admit()
+                slot = next((k for k in fresh + list(self._running) if k not in turned), None)
+                if slot is None:
+                    break
+                turned.add(slot)
+                if (q := self._advance(slot)) is not None:
+                    requests.append(q)
+            if not requests:
                 continue
-            slot = turns.popleft()
-            if self._turn(slot):
-                turns.append(slot)
+            try:
+                results = self.engine.step_many(requests)
+            except Exception as e:  # every generation of the batch gets the error
+                for q in requests:
+                    self._results[q.slot] = e
+                continue
+            for q, r in zip(requests, results):
+                self._results[q.slot] = r
 
-    def _turn(self, slot: int) -> bool:
-        """One event of the slot's generation (an engine step, or a batch of its prompt, at most); whether it runs
-        on."""
+    def _advance(self, slot: int) -> StepRequest | None:
+        """Run the slot's generation up to its next step (handing its events to the caller), or through one batch
+        of its prompt; its StepRequest, or None."""
         job, gen = self._running[slot]
-        if job.cancel.is_set():
-            self._end(slot)
-            return False
-        try:
-            ev = next(gen)
-        except StopIteration:
-            self._end(slot)
-            return False
-        except Exception as e:  # reported to the caller, who turns it into an HTTP error
-            job.put(e)
-            self._end(slot)
-            return False
-        task = self.slots[slot]
-        if isinstance(ev, Prefilled):
-            task.n_prompt_done = ev.n_done
-            return True
-        task.n_prompt_done = task.n_prompt
-        if isinstance(ev, StepStats):  # the prefill's token, then what each step added
-            task.n_decoded = max(task.n_decoded, 1) + ev.n_tokens
-        elif isinstance(ev, Finished):
-            task.n_decoded, task.n_cached = len(ev.token_ids), ev.summary.n_cached
-        job.put(ev)
-        return True
+        result = self._results.pop(slot, None)
+        while True:
+            if job.cancel.is_set():
+                self._end(slot)
+                return None
+            try:
+                ev = gen.throw(result) if isinstance(result, Exception) else gen.send(result)
+            except StopIteration:
+                self._end(slot)
+                return None
+            except Exception as e:  # reported to the caller, who turns it into an HTTP error
+                job.put(e)
+                self._end(slot)
+                return None
+            result = None
+            if isinstance(ev, StepRequest):
+                return ev
+            task = self.slots[slot]
+            if isinstance(ev, Prefilled):
+                task.n_prompt_done = ev.n_done
+                return None
+            task.n_prompt_done = task.n_prompt
+            if isinstance(ev, StepStats):  # the prefill's token, then what each step added
+                task.n_decoded = max(task.n_decoded, 1) + ev.n_tokens
+            elif isinstance(ev, Finished):
+                task.n_decoded, task.n_cached = len(ev.token_ids), ev.summary.n_cached
+            job.put(ev)
