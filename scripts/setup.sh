@@ -54,11 +54,14 @@ flags_diff() {
     printf 'this one %s%s%s' "${lacks:+lacks: ${lacks% }}" "${lacks:+${extra:+; }}" "${extra:+has extra: ${extra% }}"
 }
 
-# wheels are kept per CMake arguments and per CPU, so those for several CPUs can live side by side in .wheels/
-key=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-12)
+# wheels are kept per CMake arguments, batch-invariant kernels (native/ggml/, added to ggml's CPU matmul) and CPU, so
+# those for several CPUs can live side by side in .wheels/
+kernels=$({ cat native/ggml/batch_dot.c native/ggml/batch_dot.h native/ggml/patch_ggml.py 2>/dev/null || true; } | sha1sum)
+key=$(printf '%s %s' "$LLAMA_CMAKE_ARGS" "$kernels" | sha1sum | cut -c1-12)
 wheels=".wheels/llama-$key-$(printf '%s\n' "$flags" | sha1sum | cut -c1-8)"
 whls=("$wheels"/llama_cpp_python-0.3.36-*.whl)
 record="$VENV/llama-cpp-cpu-flags"
+built_from="$VENV/llama-cpp-wheel" # the .wheels/ folder its wheel came from: these CMake arguments and kernels
 
 # llama.cpp in the venv is kept if it is 0.3.36 built for this CPU (the recorded flags are compared before anything
 # imports it, since a build for another CPU can die of SIGILL on import), with llamafile as asked and with RPC
@@ -69,6 +72,8 @@ if [ "$installed" = 0.3.36 ]; then
         echo "llama.cpp in $VENV has no recorded CPU flags (installed by an older setup.sh): replacing it"
     elif [ "$(cat "$record")" != "$flags" ]; then
         echo "llama.cpp in $VENV was built for another CPU ($(flags_diff "$record")): replacing it"
+    elif [ "$(cat "$built_from" 2>/dev/null)" != "$wheels" ]; then
+        echo "llama.cpp in $VENV was built with other CMake arguments or kernels: replacing it"
     elif LLAMAFILE=$llamafile python - <<'PY' 2>/dev/null
 import os, sys, llama_cpp
 ok = (llama_cpp.__version__ == "0.3.36" and llama_cpp.llama_supports_rpc()
@@ -121,16 +126,24 @@ if [ "$action" = build ]; then
     # a wheel left there has no flags, or another CPU's: it goes, and the flags are recorded once the build succeeded
     rm -f "$wheels"/llama_cpp_python-*.whl "$wheels/cpu-flags"
     echo "building llama-cpp-python 0.3.36 from source with CMAKE_ARGS='$LLAMA_CMAKE_ARGS' (about 8 minutes on 2 cores)..."
-    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" python -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
-        "llama-cpp-python==0.3.36" -w "$wheels"
+    # the sdist from the package index, unpacked, with batch_dot.c added to ggml's CPU matmul (native/ggml/README.md)
+    src=build/llama-cpp-python-src
+    rm -rf "$src" && mkdir -p "$src"
+    python -m pip download -q --no-deps --no-binary :all: --no-build-isolation "llama-cpp-python==0.3.36" -d "$src"
+    tar -xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src"
+    python native/ggml/patch_ggml.py "$src/llama_cpp_python-0.3.36"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" python -m pip wheel -q --no-deps --no-cache-dir "$src/llama_cpp_python-0.3.36" \
+        -w "$wheels"
+    rm -rf "$src"
     printf '%s\n' "$flags" >"$wheels/cpu-flags"
     whls=("$wheels"/llama_cpp_python-0.3.36-*.whl)
 fi
 if [ "$action" != reuse ]; then
     # no record while the install is under way: a venv left half-installed is replaced on the next run
-    rm -f "$record"
+    rm -f "$record" "$built_from"
     python -m pip install -q --force-reinstall --no-deps "${whls[0]}"
     cp "$wheels/cpu-flags" "$record"
+    printf '%s\n' "$wheels" >"$built_from"
 fi
 
 # the native extension compiles against the llama.cpp just installed, so no isolated build environment; each venv

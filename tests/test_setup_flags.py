@@ -90,6 +90,7 @@ def built(project: Path, cpu: str) -> Path:
     (wheels / WHEEL).write_bytes(b"not a real wheel")
     (wheels / "cpu-flags").write_text(flags_file(cpu))
     (project / ".venv" / "llama-cpp-cpu-flags").write_text(flags_file(cpu))
+    (project / ".venv" / "llama-cpp-wheel").write_text(m[1] + "\n")
     return wheels
 
 
@@ -187,6 +188,10 @@ def test_the_old_checks_still_apply(project):
     init = next((project / ".venv" / "lib").glob("python*/site-packages/llama_cpp/__init__.py"))
     init.write_text(init.read_text().replace("REPACK = 1", "LLAMAFILE = 1"))
     assert plan(project, CPU_A) == ("", f"plan: install wheel {wheels.relative_to(project)}/{WHEEL}")
+    # a venv records the wheel folder (CMake arguments, kernels) it was installed from: say it was llamafile's
+    said, line = plan(project, CPU_A, "-DGGML_LLAMAFILE=ON")
+    assert said == "llama.cpp in .venv was built with other CMake arguments or kernels: replacing it"
+    (project / ".venv" / "llama-cpp-wheel").write_text(line.rsplit(" ", 1)[1] + "\n")
     assert plan(project, CPU_A, "-DGGML_LLAMAFILE=ON") == ("", "plan: reuse llama.cpp installed in .venv")
     last_off = plan(project, CPU_A, "-DGGML_LLAMAFILE=on -DGGML_LLAMAFILE=OFF")  # the last one counts
     assert last_off[1] != "plan: reuse llama.cpp installed in .venv"

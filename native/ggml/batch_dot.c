@@ -1,0 +1,419 @@
+// Batch-invariant matrix products for ggml's CPU matmul (built into ggml-cpu by scripts/setup.sh, see README.md
+// beside this file).
+//
+// ggml computes a product of several rows by calling the one-row kernel (vec_dot) once per output element, so a
+// verify batch costs almost what as many single-token decodes cost. The kernels here compute a tile of weight rows x
+// activation rows at once, two activation rows per 512-bit register, with the weight block unpacked once for all of
+// them. Each output element goes through the same operations as vec_dot gives it (the same exact integer lane sums,
+// then the same float multiply, fused multiply-add per lane in block order, and the same horizontal sum), so its bits
+// are vec_dot's: a batch of any size gives every row what a one-row decode gives it, and speculative decoding stays
+// token-identical to plain decoding.
+//
+// Only where vec_dot itself takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's) is the tile
+// computed here; elsewhere dflash_batch_dot returns false and ggml calls vec_dot as before.
+
+#include "batch_dot.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(__AVXVNNIINT8__)
+#define DFLASH_BATCH_DOT 1
+#include <immintrin.h>
+#endif
+
+#ifdef DFLASH_BATCH_DOT
+
+// ggml's block layouts (ggml-common.h)
+typedef struct { uint16_t d; int8_t qs[32]; } q8_0_block;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } q5_0_block;
+typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_K_block;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } q4_K_block;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } q6_K_block;
+
+_Static_assert(sizeof(q8_0_block) == 34, "q8_0 layout");
+_Static_assert(sizeof(q5_0_block) == 22, "q5_0 layout");
+_Static_assert(sizeof(q8_K_block) == 292, "q8_K layout");
+_Static_assert(sizeof(q4_K_block) == 144, "q4_K layout");
+_Static_assert(sizeof(q6_K_block) == 210, "q6_K layout");
+
+enum { MAX_ROWS = 16 };  // activation rows in one call (ggml's tile); 8 pairs of accumulators
+
+static inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+// The horizontal sum vec_dot ends with: high half onto low half, then pairs, then the last two.
+static inline float hsum8(__m256 x) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// Two activation rows' 32 bytes side by side.
+static inline __m512i pair(const void * a, const void * b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) a)),
+                              _mm256_loadu_si256((const __m256i *) b), 1);
+}
+
+// A pair's row outputs: lanes 0..7 are row a's vec_dot accumulator, 8..15 row b's.
+static inline void store_pair(__m512 acc, float * a, float * b) {
+    *a = hsum8(_mm512_castps512_ps256(acc));
+    *b = hsum8(_mm512_extractf32x8_ps(acc, 1));
+}
+
+// ---- q8_0 and q5_0 weights against q8_0 activations -------------------------------------------------------------
+// vec_dot: acc[lane] = fma(wd * yd, float(sum of 4 products |w| * sign(y, w)), acc[lane]) per block, then hsum8.
+
+typedef __m256i (*unpack_fn)(const void *);
+
+// Two activation rows of one q8_0 block, side by side as the pair kernel reads them.
+typedef struct {
+    int8_t qs[64];     // row a's 32 quants, then row b's
+    float d[16];       // [a.d x 8, b.d x 8]
+    int32_t corr[16];  // -offset x the sum of each lane's 4 quants: a's 8 lanes, then b's
+} q8_0_pair;
+
+// Per thread, grown as needed: the activation rows of the current tile, packed in pairs (an odd last row pairs with
+// itself).
+static _Thread_local char * pairs_buf;
+static _Thread_local size_t pairs_size;
+
+static void * pairs_alloc(size_t size) {
+    if (size > pairs_size) {
+        free(pairs_buf);
+        pairs_buf = aligned_alloc(64, (size + 63) / 64 * 64);
+        pairs_size = pairs_buf ? size : 0;
+    }
+    return pairs_buf;
+}
+
+// The weights are unpacked as unsigned bytes (the value plus `offset`), so the lane sums come from dpbusd alone:
+// sum((w + offset) * y) - offset * sum(y), the same integers as vec_dot's sum(|w| * sign(y, w)).
+static const q8_0_pair * pack_pairs(const char * y, size_t y_stride, int ny, int nb, int offset) {
+    const int np = (ny + 1) / 2;
+    q8_0_pair * out = pairs_alloc((size_t) np * nb * sizeof(q8_0_pair));
+    if (!out) {
+        return NULL;
+    }
+    for (int p = 0; p < np; ++p) {
+        const q8_0_block * a = (const q8_0_block *) (y + 2 * p * y_stride);
+        const q8_0_block * b = (const q8_0_block *) (y + (2 * p + 1 < ny ? 2 * p + 1 : 2 * p) * y_stride);
+        for (int k = 0; k < nb; ++k) {
+            q8_0_pair * o = &out[(size_t) p * nb + k];
+            const __m512i yy = pair(a[k].qs, b[k].qs);
+            _mm512_store_si512((__m512i *) o->qs, yy);
+            _mm512_store_ps(o->d, _mm512_insertf32x8(_mm512_set1_ps(f16(a[k].d)), _mm256_set1_ps(f16(b[k].d)), 1));
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), yy);
+            _mm512_store_si512((__m512i *) o->corr, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset)));
+        }
+    }
+    return out;
+}
+
+// q8_0: the value plus 128 (the sign bit flipped), 1..255.
+static inline __m256i unpack_q8_0(const void * b) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *) ((const q8_0_block *) b)->qs);
+    return _mm256_xor_si256(q, _mm256_set1_epi8((char) 0x80));
+}
+
+// q5_0: 4 low bits, the fifth from qh: the value plus 16, 0..31.
+static inline __m256i unpack_q5_0(const void * b) {
+    const q5_0_block * x = (const q5_0_block *) b;
+    const __m128i lo = _mm_loadu_si128((const __m128i *) x->qs);
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
+    uint32_t qh;
+    memcpy(&qh, x->qh, 4);
+    return _mm256_or_si256(nib, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10)));
+}
+
+typedef __m256i (*unpack_fn)(const void *);
+
+// WR weight rows x PR pairs of activation rows, one accumulator each: each pair's quants are loaded once for the WR
+// rows, each weight block unpacked once for the PR pairs.
+static inline __attribute__((always_inline)) void tile_q0(unpack_fn unpack, const int WR, const int PR, size_t wsize,
+                                                          int nb, const char * w, size_t w_stride, const q8_0_pair * yp,
+                                                          int p0, float * dst, size_t dst_stride, int i0, int ny) {
+    __m512 acc[4][4];
+    for (int r = 0; r < WR; ++r) {
+        for (int p = 0; p < PR; ++p) {
+            acc[r][p] = _mm512_setzero_ps();
+        }
+    }
+    for (int b = 0; b < nb; ++b) {
+        __m512i wu[4];
+        __m512 wd[4];
+        for (int r = 0; r < WR; ++r) {
+            const char * wb = w + (i0 + r) * w_stride + b * wsize;
+            wu[r] = _mm512_broadcast_i64x4(unpack(wb));
+            wd[r] = _mm512_set1_ps(f16(*(const uint16_t *) wb));
+        }
+        for (int p = 0; p < PR; ++p) {
+            const q8_0_pair * yb = &yp[(size_t) (p0 + p) * nb + b];
+            const __m512i qs = _mm512_load_si512((const __m512i *) yb->qs);
+            const __m512i corr = _mm512_load_si512((const __m512i *) yb->corr);
+            const __m512 yd = _mm512_load_ps(yb->d);
+            for (int r = 0; r < WR; ++r) {
+                const __m512i sums = _mm512_dpbusd_epi32(corr, wu[r], qs);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(wd[r], yd), _mm512_cvtepi32_ps(sums), acc[r][p]);
+            }
+        }
+    }
+    for (int r = 0; r < WR; ++r) {
+        for (int p = 0; p < PR; ++p) {
+            float a, b;
+            store_pair(acc[r][p], &a, &b);
+            const int j = 2 * (p0 + p);
+            dst[j * dst_stride + i0 + r] = a;
+            if (j + 1 < ny) {
+                dst[(j + 1) * dst_stride + i0 + r] = b;
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) bool dot_q0(unpack_fn unpack, int offset, size_t wsize, int nb,
+                                                         const char * w, size_t w_stride, int nw, const char * y,
+                                                         size_t y_stride, int ny, float * dst, size_t dst_stride) {
+    const q8_0_pair * yp = pack_pairs(y, y_stride, ny, nb, offset);
+    if (!yp) {
+        return false;
+    }
+    const int np = (ny + 1) / 2;
+    for (int p0 = 0; p0 < np; p0 += 4) {
+        const int pr = np - p0 < 4 ? np - p0 : 4;
+        int i = 0;
+        for (; i + 4 <= nw; i += 4) {
+            switch (pr) {  // constant tile shapes, so that the accumulators stay in registers
+                case 4: tile_q0(unpack, 4, 4, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 3: tile_q0(unpack, 4, 3, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 2: tile_q0(unpack, 4, 2, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                default: tile_q0(unpack, 4, 1, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+            }
+        }
+        for (; i < nw; ++i) {
+            switch (pr) {
+                case 4: tile_q0(unpack, 1, 4, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 3: tile_q0(unpack, 1, 3, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 2: tile_q0(unpack, 1, 2, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                default: tile_q0(unpack, 1, 1, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+            }
+        }
+    }
+    return true;
+}
+
+// ---- q4_K and q6_K weights against q8_K activations --------------------------------------------------------------
+// vec_dot, per super-block of 256: exact int32 lane sums of (sub-block scale x products), then acc[lane] =
+// fma(y.d * x.d, float(lane sum), acc[lane]); q4_K also keeps its mins' term in a 4-lane accumulator.
+
+// Two activation rows of one super-block, side by side as the pair kernels read them.
+typedef struct {
+    int8_t qs[8][64];   // 32-quant chunk c: row a's, then row b's
+    float d[16];        // [a.d x 8, b.d x 8]
+    float negd[8];      // [-a.d x 4, -b.d x 4] (q4_K's mins)
+    int16_t q8s[16];    // q4_K: sums of pairs of bsums (its hadd), a's 8 then b's 8
+    int16_t bsums[32];  // a's 16, then b's 16
+} q8_K_pair;
+
+_Static_assert(sizeof(q8_K_pair) % 64 == 0, "q8_K_pair alignment");
+
+static const q8_K_pair * pack_pairs_K(const char * y, size_t y_stride, int ny, int nb) {
+    const int np = (ny + 1) / 2;
+    if (!pairs_alloc((size_t) np * nb * sizeof(q8_K_pair))) {
+        return NULL;
+    }
+    q8_K_pair * out = (q8_K_pair *) pairs_buf;
+    for (int p = 0; p < np; ++p) {
+        const q8_K_block * a = (const q8_K_block *) (y + 2 * p * y_stride);
+        const q8_K_block * b = (const q8_K_block *) (y + (2 * p + 1 < ny ? 2 * p + 1 : 2 * p) * y_stride);
+        for (int k = 0; k < nb; ++k) {
+            q8_K_pair * o = &out[(size_t) p * nb + k];
+            for (int c = 0; c < 8; ++c) {
+                memcpy(o->qs[c], a[k].qs + 32 * c, 32);
+                memcpy(o->qs[c] + 32, b[k].qs + 32 * c, 32);
+            }
+            for (int l = 0; l < 8; ++l) {
+                o->d[l] = a[k].d;
+                o->d[8 + l] = b[k].d;
+                o->q8s[l] = (int16_t) (a[k].bsums[2 * l] + a[k].bsums[2 * l + 1]);
+                o->q8s[8 + l] = (int16_t) (b[k].bsums[2 * l] + b[k].bsums[2 * l + 1]);
+            }
+            for (int l = 0; l < 4; ++l) {
+                o->negd[l] = -a[k].d;
+                o->negd[4 + l] = -b[k].d;
+            }
+            memcpy(o->bsums, a[k].bsums, 32);
+            memcpy(o->bsums + 16, b[k].bsums, 32);
+        }
+    }
+    return out;
+}
+
+static inline __m512i bcast256(__m256i x) { return _mm512_broadcast_i64x4(x); }
+
+static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                     float * dst, size_t dst_stride) {
+    const q8_K_pair * yp = pack_pairs_K(y, y_stride, ny, nb);
+    if (!yp) {
+        return false;
+    }
+    const int np = (ny + 1) / 2;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < nw; ++i) {
+        const q4_K_block * x = (const q4_K_block *) (w + i * w_stride);
+        __m512 acc[MAX_ROWS / 2];
+        __m256 acc_m[MAX_ROWS / 2];
+        for (int p = 0; p < np; ++p) {
+            acc[p] = _mm512_setzero_ps();
+            acc_m[p] = _mm256_setzero_ps();
+        }
+        for (int b = 0; b < nb; ++b) {
+            // the 6-bit scales and mins of the 8 sub-blocks (q4_K's packing)
+            uint32_t u[4];
+            memcpy(u, x[b].scales, 12);
+            u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+            const uint32_t u1 = u[1] & 0x3f3f3f3f;
+            u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+            u[2] = u1;
+            u[0] &= 0x3f3f3f3f;
+            const uint8_t * sc = (const uint8_t *) u;  // scales 0..7, then mins 0..7
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
+            const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
+            const __m512 xd = _mm512_set1_ps(f16(x[b].d));
+            const __m256 xdmin = _mm256_set1_ps(f16(x[b].dmin));
+            __m512i ql[4], qh[4], sl[4], sh[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[b].qs + 32 * j));
+                ql[j] = bcast256(_mm256_and_si256(bits, m4));
+                qh[j] = bcast256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));
+                sl[j] = _mm512_set1_epi16(sc[2 * j]);
+                sh[j] = _mm512_set1_epi16(sc[2 * j + 1]);
+            }
+            for (int p = 0; p < np; ++p) {
+                const q8_K_pair * yb = &yp[(size_t) p * nb + b];
+                const __m256i prod = _mm256_madd_epi16(mins2, _mm256_load_si256((const __m256i *) yb->q8s));
+                acc_m[p] = _mm256_fmadd_ps(_mm256_mul_ps(xdmin, _mm256_load_ps(yb->negd)), _mm256_cvtepi32_ps(prod),
+                                           acc_m[p]);
+                // the same exact lane sums as vec_dot's maddubs, madd by the scale, add; dpwssd fuses the last two
+                __m512i sumi = _mm512_setzero_si512();
+                for (int j = 0; j < 4; ++j) {
+                    sumi = _mm512_dpwssd_epi32(
+                        sumi, sl[j], _mm512_maddubs_epi16(ql[j], _mm512_load_si512((const __m512i *) yb->qs[2 * j])));
+                    sumi = _mm512_dpwssd_epi32(
+                        sumi, sh[j], _mm512_maddubs_epi16(qh[j], _mm512_load_si512((const __m512i *) yb->qs[2 * j + 1])));
+                }
+                const __m512 d = _mm512_mul_ps(xd, _mm512_load_ps(yb->d));
+                acc[p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[p]);
+            }
+        }
+        for (int p = 0; p < np; ++p) {
+            float out[2];
+            for (int h = 0; h < 2; ++h) {
+                __m128 m = h ? _mm256_extractf128_ps(acc_m[p], 1) : _mm256_castps256_ps128(acc_m[p]);
+                m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+                m = _mm_add_ss(m, _mm_movehdup_ps(m));
+                const __m256 a = h ? _mm512_extractf32x8_ps(acc[p], 1) : _mm512_castps512_ps256(acc[p]);
+                out[h] = hsum8(a) + _mm_cvtss_f32(m);
+            }
+            dst[(2 * p) * dst_stride + i] = out[0];
+            if (2 * p + 1 < ny) {
+                dst[(2 * p + 1) * dst_stride + i] = out[1];
+            }
+        }
+    }
+    return true;
+}
+
+static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                     float * dst, size_t dst_stride) {
+    const q8_K_pair * yp = pack_pairs_K(y, y_stride, ny, nb);
+    if (!yp) {
+        return false;
+    }
+    const int np = (ny + 1) / 2;
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    for (int i = 0; i < nw; ++i) {
+        const q6_K_block * x = (const q6_K_block *) (w + i * w_stride);
+        __m512 acc[MAX_ROWS / 2];
+        for (int p = 0; p < np; ++p) {
+            acc[p] = _mm512_setzero_ps();
+        }
+        for (int b = 0; b < nb; ++b) {
+            // the 6-bit quants, unsigned (0..63; vec_dot takes the 32 off through the bsums), 4 chunks of 32 per half
+            __m512i q[8], s[8];
+            for (int j = 0; j < 2; ++j) {
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x[b].ql + 64 * j));
+                const __m256i l2 = _mm256_loadu_si256((const __m256i *) (x[b].ql + 64 * j + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[b].qh + 32 * j));
+                const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
+                const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2);
+                const __m256i h2 = _mm256_and_si256(hb, _mm256_set1_epi8(48));
+                const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char) 0xC0)), 2);
+                q[4 * j + 0] = bcast256(_mm256_or_si256(_mm256_and_si256(l1, m15), h0));
+                q[4 * j + 1] = bcast256(_mm256_or_si256(_mm256_and_si256(l2, m15), h1));
+                q[4 * j + 2] = bcast256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), h2));
+                q[4 * j + 3] = bcast256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), h3));
+            }
+            for (int c = 0; c < 8; ++c) {  // chunk c: its first 16 quants take scale 2c, the next 16 scale 2c + 1
+                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(x[b].scales[2 * c + 1]),
+                                                    _mm_set1_epi16(x[b].scales[2 * c]));
+                s[c] = bcast256(sc);
+            }
+            const __m512i scales16 = bcast256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[b].scales)));
+            const __m512 xd = _mm512_set1_ps(f16(x[b].d));
+            for (int p = 0; p < np; ++p) {
+                const q8_K_pair * yb = &yp[(size_t) p * nb + b];
+                const __m512i sub = _mm512_slli_epi32(
+                    _mm512_madd_epi16(_mm512_load_si512((const __m512i *) yb->bsums), scales16), 5);
+                __m512i sumi = _mm512_setzero_si512();
+                for (int c = 0; c < 8; ++c) {
+                    sumi = _mm512_dpwssd_epi32(
+                        sumi, s[c], _mm512_maddubs_epi16(q[c], _mm512_load_si512((const __m512i *) yb->qs[c])));
+                }
+                sumi = _mm512_sub_epi32(sumi, sub);
+                const __m512 d = _mm512_mul_ps(xd, _mm512_load_ps(yb->d));
+                acc[p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[p]);
+            }
+        }
+        for (int p = 0; p < np; ++p) {
+            float a, b;
+            store_pair(acc[p], &a, &b);
+            dst[(2 * p) * dst_stride + i] = a;
+            if (2 * p + 1 < ny) {
+                dst[(2 * p + 1) * dst_stride + i] = b;
+            }
+        }
+    }
+    return true;
+}
+
+#endif  // DFLASH_BATCH_DOT
+
+bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
+                      size_t y_stride, int ny, float * dst, size_t dst_stride) {
+#ifdef DFLASH_BATCH_DOT
+    if (ny < 2 || ny > MAX_ROWS || nw < 1) {
+        return false;
+    }
+    switch (type) {
+        case GGML_TYPE_Q8_0:
+            return dot_q0(unpack_q8_0, 128, sizeof(q8_0_block), n / 32, (const char *) w, w_stride, nw, (const char *) y,
+                          y_stride, ny, dst, dst_stride);
+        case GGML_TYPE_Q5_0:
+            return dot_q0(unpack_q5_0, 16, sizeof(q5_0_block), n / 32, (const char *) w, w_stride, nw, (const char *) y,
+                          y_stride, ny, dst, dst_stride);
+        case GGML_TYPE_Q4_K:
+            return dot_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
+        case GGML_TYPE_Q6_K:
+            return dot_q6_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
+        default:
+            return false;
+    }
+#else
+    (void) type, (void) n, (void) w, (void) w_stride, (void) nw, (void) y, (void) y_stride, (void) ny, (void) dst;
+    (void) dst_stride;
+    return false;
+#endif
+}

@@ -1,0 +1,25 @@
+// Batch-invariant matrix products for ggml's CPU matmul: batch_dot.c.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "ggml.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// dst[j * dst_stride + i] = the dot product of weight row i (of nw, type `type`, n columns, rows w_stride bytes
+// apart) and activation row j (of ny, in the type's vec_dot type, y_stride bytes apart), with the bits ggml's vec_dot
+// gives it. Returns false, computing nothing, where this CPU build or the type has no such kernel (or ny is not
+// 2..16): the caller then calls vec_dot.
+#if defined(__GNUC__)
+__attribute__((visibility("default")))  // tests/test_batch_dot.py calls it in the built library
+#endif
+bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
+                      size_t y_stride, int ny, float * dst, size_t dst_stride);
+
+#ifdef __cplusplus
+}
+#endif

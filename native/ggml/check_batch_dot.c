@@ -1,0 +1,75 @@
+// dflash_batch_dot against ggml's vec_dot: every element of every tile of 2..16 rows bit for bit, on random rows of
+// each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
+// none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Built and run by
+// tests/test_batch_dot.py against the installed llama.cpp:
+//   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base
+// (batch_dot.c is in libggml-cpu, built by scripts/setup.sh).
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
+                      size_t y_stride, int ny, float * dst, size_t dst_stride);
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+
+int main(int argc, char ** argv) {
+    int bench = argc > 1 && !strcmp(argv[1], "bench");
+    ggml_cpu_init();
+    enum ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q5_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    int bad = 0;
+    srand(1);
+    for (int t = 0; t < 4; ++t) {
+        enum ggml_type type = types[t];
+        const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
+        enum ggml_type vt = tw->vec_dot_type;
+        int n = bench ? 2048 : (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K ? 768 : 640);
+        int nw = bench ? 4096 : 64, ny = 16;
+        size_t ws = ggml_row_size(type, n), ys = ggml_row_size(vt, n);
+        float * f = malloc(sizeof(float) * n);
+        char * W = malloc(ws * nw), * Y = malloc(ys * ny);
+        for (int i = 0; i < nw; ++i) {
+            float sc = (rand() % 100) / 10.0f + 0.01f;
+            for (int k = 0; k < n; ++k) f[k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
+            ggml_quantize_chunk(type, f, W + i * ws, 0, 1, n, NULL);
+        }
+        for (int j = 0; j < ny; ++j) {
+            for (int k = 0; k < n; ++k) f[k] = (rand() / (float) RAND_MAX) * 2 - 1 + (k % 7 == 0 ? 3 : 0);
+            ggml_get_type_traits_cpu(vt)->from_float(f, Y + j * ys, n);
+        }
+        float * ref = malloc(sizeof(float) * nw * ny), * out = malloc(sizeof(float) * nw * ny);
+        double t0 = now();
+        int reps = bench ? 5 : 1;
+        for (int r = 0; r < reps; ++r)
+        for (int i0 = 0; i0 < nw; i0 += 16)
+            for (int j = 0; j < ny; ++j)
+                for (int i = i0; i < i0 + 16 && i < nw; ++i)
+                    tw->vec_dot(n, &ref[j * nw + i], 0, W + i * ws, 0, Y + j * ys, 0, 1);
+        double t1 = now();
+        for (int cnt = 2; cnt <= ny; ++cnt) {
+            if (bench && cnt != ny) continue;
+            memset(out, 0xff, sizeof(float) * nw * ny);
+            double t2 = now();
+            int ok = 1;
+            for (int r = 0; r < reps; ++r)
+            for (int i0 = 0; i0 < nw; i0 += 16)
+                ok &= dflash_batch_dot(type, n, W + i0 * ws, ws, nw - i0 < 16 ? nw - i0 : 16, Y, ys, cnt, out + i0, nw);
+            double t3 = now();
+            if (!ok) { printf("%s: no kernel\n", ggml_type_name(type)); break; }
+            int diff = 0;
+            for (int j = 0; j < cnt; ++j)
+                for (int i = 0; i < nw; ++i)
+                    diff += memcmp(&out[j * nw + i], &ref[j * nw + i], 4) != 0;
+            bad += diff;
+            if (diff || bench) printf("%s rows %d: %d of %d differ; vec_dot %.2f ms, batch %.2f ms (%.2fx)\n", ggml_type_name(type), cnt, diff, cnt * nw,
+                   (t1 - t0) * 1e3 / reps, (t3 - t2) * 1e3 / reps, (t1 - t0) / (t3 - t2));
+        }
+        free(f); free(W); free(Y); free(ref); free(out);
+    }
+    printf("%s\n", bad ? "FAIL" : "all identical");
+    return bad != 0;
+}

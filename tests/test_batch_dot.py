@@ -1,0 +1,66 @@
+"""The batch-invariant kernels added to ggml's CPU matmul (native/ggml/batch_dot.c, built into llama.cpp by
+scripts/setup.sh): every element of a tile of 2..16 rows has the bits ggml's one-row kernel (vec_dot) gives it, for
+each weight type they cover, compared element by element against the installed library's own vec_dot. The engine's
+lossless tests then check what this buys end to end: drafted output token-identical to plain decoding while verify
+batches run through these kernels."""
+
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import llama_cpp
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = Path(llama_cpp.__file__).parent.parent
+TYPES = ["q8_0", "q5_0", "q4_K", "q6_K"]
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# batch_dot.c's kernels are compiled in where vec_dot takes AVX2 with AVX512-VNNI lane sums (the build is -march=native)
+HAS_KERNELS = {"avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags() and not (
+    "avx_vnni_int8" in cpu_flags())
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> Path:
+    """native/ggml/check_batch_dot.c built against the installed llama.cpp (its dflash_batch_dot and vec_dot)."""
+    if not (SITE / "include" / "ggml-cpu.h").is_file():
+        pytest.skip(f"no ggml headers in {SITE / 'include'}")
+    exe = tmp_path_factory.mktemp("batch_dot") / "check"
+    lib = SITE / "llama_cpp" / "lib"
+    cc = sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"
+    r = subprocess.run([cc, "-O2", "-march=native", "-I", str(SITE / "include"),
+                        str(ROOT / "native" / "ggml" / "check_batch_dot.c"), "-L", str(lib), "-lggml-cpu",
+                        "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
+def test_every_element_of_every_tile_is_vec_dots(check):
+    r = subprocess.run([str(check)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "all identical"
+    missing = {line.split(":")[0] for line in r.stdout.splitlines() if line.endswith("no kernel")}
+    if HAS_KERNELS:
+        assert not missing, f"the installed llama.cpp lacks batch_dot's kernels on a CPU that has them: {r.stdout}"
+    else:
+        assert missing == set(TYPES), r.stdout
+
+
+def test_the_benchmark_mode_runs_and_agrees(check):
+    """The timing mode (bench/README's figures) computes the same products and says how long each took."""
+    if not HAS_KERNELS:
+        pytest.skip("this CPU has no AVX512-VNNI: ggml keeps vec_dot for every row")
+    r = subprocess.run([str(check), "bench"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if "rows 16" in line]
+    assert [line.split()[0] for line in rows] == TYPES
+    assert all(" 0 of 65536 differ" in line for line in rows), r.stdout
