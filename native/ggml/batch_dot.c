@@ -19,7 +19,7 @@
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(__AVXVNNIINT8__)
+    defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(__AVXVNNIINT8__)
 #define DFLASH_BATCH_DOT 1
 #include <immintrin.h>
 #endif
@@ -301,8 +301,8 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
                 for (int j = 0; j < 4; ++j) {
                     sumi = _mm512_dpwssd_epi32(
                         sumi, sl[j], _mm512_maddubs_epi16(ql[j], _mm512_load_si512((const __m512i *) yb->qs[2 * j])));
-                    sumi = _mm512_dpwssd_epi32(
-                        sumi, sh[j], _mm512_maddubs_epi16(qh[j], _mm512_load_si512((const __m512i *) yb->qs[2 * j + 1])));
+                    const __m512i yh = _mm512_load_si512((const __m512i *) yb->qs[2 * j + 1]);
+                    sumi = _mm512_dpwssd_epi32(sumi, sh[j], _mm512_maddubs_epi16(qh[j], yh));
                 }
                 const __m512 d = _mm512_mul_ps(xd, _mm512_load_ps(yb->d));
                 acc[p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[p]);
@@ -399,11 +399,11 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
     }
     switch (type) {
         case GGML_TYPE_Q8_0:
-            return dot_q0(unpack_q8_0, 128, sizeof(q8_0_block), n / 32, (const char *) w, w_stride, nw, (const char *) y,
-                          y_stride, ny, dst, dst_stride);
+            return dot_q0(unpack_q8_0, 128, sizeof(q8_0_block), n / 32, (const char *) w, w_stride, nw,
+                          (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q5_0:
-            return dot_q0(unpack_q5_0, 16, sizeof(q5_0_block), n / 32, (const char *) w, w_stride, nw, (const char *) y,
-                          y_stride, ny, dst, dst_stride);
+            return dot_q0(unpack_q5_0, 16, sizeof(q5_0_block), n / 32, (const char *) w, w_stride, nw,
+                          (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q4_K:
             return dot_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q6_K:

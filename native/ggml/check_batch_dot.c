@@ -65,8 +65,10 @@ int main(int argc, char ** argv) {
                 for (int i = 0; i < nw; ++i)
                     diff += memcmp(&out[j * nw + i], &ref[j * nw + i], 4) != 0;
             bad += diff;
-            if (diff || bench) printf("%s rows %d: %d of %d differ; vec_dot %.2f ms, batch %.2f ms (%.2fx)\n", ggml_type_name(type), cnt, diff, cnt * nw,
-                   (t1 - t0) * 1e3 / reps, (t3 - t2) * 1e3 / reps, (t1 - t0) / (t3 - t2));
+            if (diff || bench) {
+                printf("%s rows %d: %d of %d differ; vec_dot %.2f ms, batch %.2f ms (%.2fx)\n", ggml_type_name(type),
+                       cnt, diff, cnt * nw, (t1 - t0) * 1e3 / reps, (t3 - t2) * 1e3 / reps, (t1 - t0) / (t3 - t2));
+            }
         }
         free(f); free(W); free(Y); free(ref); free(out);
     }
