@@ -1,0 +1,81 @@
+"""native/ggml/patch_ggml.py, which scripts/setup.sh runs on the llama-cpp-python 0.3.36 sdist before building it:
+the real ggml-cpu sources of that sdist get batch_dot.c in their matmul and their build, and a tree it was not
+written for (an anchor changed) or one patched already is refused with one line, nothing written."""
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCH = ROOT / "native" / "ggml" / "patch_ggml.py"
+CPU = "vendor/llama.cpp/ggml/src/ggml-cpu"
+FILES = ("ggml-cpu.c", "CMakeLists.txt")
+
+
+@pytest.fixture
+def sdist(llama_cpp_src, tmp_path) -> Path:
+    """An sdist-shaped tree holding the two files the patch edits, from llama-cpp-python 0.3.36's llama.cpp."""
+    root = tmp_path / "llama_cpp_python-0.3.36"
+    cpu = root / CPU
+    cpu.mkdir(parents=True)
+    given = llama_cpp_src / "ggml" / "src" / "ggml-cpu"
+    tarball = llama_cpp_src.parent / "llama_cpp_python-0.3.36.tar.gz"
+    if (given / "ggml-cpu.c").is_file():
+        for name in FILES:
+            shutil.copyfile(given / name, cpu / name)
+    elif tarball.is_file():
+        with tarfile.open(tarball) as tar:
+            for name in FILES:
+                data = tar.extractfile(f"llama_cpp_python-0.3.36/{CPU}/{name}")
+                (cpu / name).write_bytes(data.read())
+    else:
+        pytest.skip(f"neither {given} nor {tarball} is there")
+    return root
+
+
+def patch(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PATCH), str(root)], capture_output=True, text=True, timeout=60)
+
+
+def contents(root: Path) -> dict[str, str]:
+    cpu = root / CPU
+    return {p.name: p.read_text() for p in sorted(cpu.iterdir())}
+
+
+def test_the_sdists_matmul_calls_the_kernels_and_builds_them(sdist):
+    r = patch(sdist)
+    assert r.returncode == 0, r.stderr
+    c = (sdist / CPU / "ggml-cpu.c").read_text()
+    assert c.count('#include "batch_dot.h"') == 1
+    # one call, in the plain matmul's chunk loop (not the MoE one), before its per-element vec_dot loop
+    call = c.index("dflash_batch_dot(")
+    assert c.count("dflash_batch_dot(") == 1
+    assert c.rindex("static void ggml_compute_forward_mul_mat_one_chunk(", 0, call) > c.rfind(
+        "static void ggml_compute_forward_mul_mat_id_one_chunk(", 0, call)
+    assert call < c.index("vec_dot(ne00, &tmp[ir0 - iir0]", call)
+    assert "ggml-cpu/batch_dot.c" in (sdist / CPU / "CMakeLists.txt").read_text()
+    for name in ("batch_dot.c", "batch_dot.h"):
+        assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
+
+
+def test_a_tree_patched_already_is_refused(sdist):
+    assert patch(sdist).returncode == 0
+    before = contents(sdist)
+    r = patch(sdist)
+    assert r.returncode != 0 and "patched already" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert contents(sdist) == before
+
+
+def test_a_llama_cpp_it_was_not_written_for_is_refused_untouched(sdist):
+    c = sdist / CPU / "ggml-cpu.c"
+    c.write_text(c.read_text().replace("    float tmp[32];\n", "    float tmp[64];\n"))
+    before = contents(sdist)
+    r = patch(sdist)
+    assert r.returncode != 0, r.stdout
+    assert "is not the llama.cpp this patch was written for" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert contents(sdist) == before  # nothing half-way: no file copied, no file edited
