@@ -57,10 +57,17 @@ static inline __m512i pair(const void * a, const void * b) {
                               _mm256_loadu_si256((const __m256i *) b), 1);
 }
 
-// A pair's row outputs: lanes 0..7 are row a's vec_dot accumulator, 8..15 row b's.
-static inline void store_pair(__m512 acc, float * a, float * b) {
-    *a = hsum8(_mm512_castps512_ps256(acc));
-    *b = hsum8(_mm512_extractf32x8_ps(acc, 1));
+// The outputs of pair p (activation rows 2p and 2p + 1, the second only if there are ny rows) for weight row i.
+static inline void put_pair(float * dst, size_t dst_stride, int ny, int p, int i, float a, float b) {
+    dst[(size_t) (2 * p) * dst_stride + i] = a;
+    if (2 * p + 1 < ny) {
+        dst[(size_t) (2 * p + 1) * dst_stride + i] = b;
+    }
+}
+
+// A pair's accumulator, lanes 0..7 row a's vec_dot accumulator and 8..15 row b's, summed as vec_dot sums, put out.
+static inline void store_pair(__m512 acc, float * dst, size_t dst_stride, int ny, int p, int i) {
+    put_pair(dst, dst_stride, ny, p, i, hsum8(_mm512_castps512_ps256(acc)), hsum8(_mm512_extractf32x8_ps(acc, 1)));
 }
 
 // ---- q8_0 and q5_0 weights against q8_0 activations -------------------------------------------------------------
@@ -162,13 +169,7 @@ static inline __attribute__((always_inline)) void tile_q0(unpack_fn unpack, cons
     }
     for (int r = 0; r < WR; ++r) {
         for (int p = 0; p < PR; ++p) {
-            float a, b;
-            store_pair(acc[r][p], &a, &b);
-            const int j = 2 * (p0 + p);
-            dst[j * dst_stride + i0 + r] = a;
-            if (j + 1 < ny) {
-                dst[(j + 1) * dst_stride + i0 + r] = b;
-            }
+            store_pair(acc[r][p], dst, dst_stride, ny, p0 + p, i0 + r);
         }
     }
 }
@@ -317,10 +318,7 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
                 const __m256 a = h ? _mm512_extractf32x8_ps(acc[p], 1) : _mm512_castps512_ps256(acc[p]);
                 out[h] = hsum8(a) + _mm_cvtss_f32(m);
             }
-            dst[(2 * p) * dst_stride + i] = out[0];
-            if (2 * p + 1 < ny) {
-                dst[(2 * p + 1) * dst_stride + i] = out[1];
-            }
+            put_pair(dst, dst_stride, ny, p, i, out[0], out[1]);
         }
     }
     return true;
@@ -378,12 +376,7 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
             }
         }
         for (int p = 0; p < np; ++p) {
-            float a, b;
-            store_pair(acc[p], &a, &b);
-            dst[(2 * p) * dst_stride + i] = a;
-            if (2 * p + 1 < ny) {
-                dst[(2 * p + 1) * dst_stride + i] = b;
-            }
+            store_pair(acc[p], dst, dst_stride, ny, p, i);
         }
     }
     return true;
