@@ -9,6 +9,9 @@ high before it, low from it on. Wrapping is the base of test drafters that watch
 import random
 
 from dflash_local.engine.drafter import Drafter
+from dflash_local.engine.policy import DraftPolicy
+
+CPU = {k: 7.5 + 6.5 * k for k in range(1, 10)}  # verify cost growing like gemma-3-270m's on 2 cores
 
 
 class ScriptedDrafter(Drafter):
@@ -58,3 +61,12 @@ class Wrapping(Drafter):
 
     def extend(self, session, pos0, n):
         self.inner.extend(session, pos0, n)
+
+
+class SteadyCosts(DraftPolicy):
+    """The draft-length policy with gemma-3-270m-like step times in place of this machine's measurements, which
+    another process (or a faster kernel) can change at any moment: a test of the engine's wiring then takes the
+    same steps on every run; the cost logic itself is tested in test_policy.py."""
+
+    def _record(self, kind, k, value):
+        return CPU[k] if kind == "verify" else 0.2 if kind == "sample" else 3.0

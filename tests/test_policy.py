@@ -1,7 +1,7 @@
 """The draft-length policy: its choice from costs and acceptance, and its effect in the engine."""
 
 
-from scripted import ScriptedDrafter
+from scripted import CPU, ScriptedDrafter, SteadyCosts
 
 from dflash_local import Engine, StepStats
 from dflash_local.convert.init_drafter import init_drafter
@@ -16,7 +16,6 @@ def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float]
     return p
 
 
-CPU = {k: 7.5 + 6.5 * k for k in range(1, 10)}  # verify cost growing like gemma-3-270m's on 2 cores
 GPU = {k: 10.0 + 0.2 * k for k in range(1, 9)}  # nearly flat
 DRAFT = {k: 2.0 for k in range(1, 8)}
 
@@ -145,14 +144,6 @@ def test_fixed_mode_always_drafts_the_block():
     p = DraftPolicy(5, adaptive=False)
     p.update(5, 0, 100.0, 50.0)
     assert p.choose() == 5
-
-
-class SteadyCosts(DraftPolicy):
-    """The policy with gemma-3-270m-like step times in place of this machine's measurements, which another process
-    can distort at any moment: the engine wiring is what this tests, the cost logic is tested above."""
-
-    def _record(self, kind, k, value):
-        return CPU[k] if kind == "verify" else 0.2 if kind == "sample" else 3.0
 
 
 def test_adaptive_engine_follows_its_drafter_and_stays_lossless(tmp_path, gemma_target):
