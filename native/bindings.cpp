@@ -28,6 +28,7 @@ PYBIND11_MODULE(_native, m) {
     llama_backend_init();
 
     py::register_exception<NativeError>(m, "NativeError", PyExc_RuntimeError);
+    py::register_exception<Interrupted>(m, "Interrupted", PyExc_RuntimeError);
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     // llamafile's sgemm (a GGML_LLAMAFILE build) is batch-invariant from two rows on, and sessions give every
     // target decode two rows at least there (Session::pad)
@@ -269,6 +270,9 @@ PYBIND11_MODULE(_native, m) {
              }, py::arg("steps"), py::call_guard<py::gil_scoped_release>(),
              "Several slots' steps in one target decode: (slot, last, draft, sampler, index, rejection, head_rows) "
              "each; their StepResults in the same order.")
+        .def("interrupt", &Session::interrupt, py::arg("on") = true,
+             "Ask the batched step in flight (another thread's step_batch) to give up its decode if it has only "
+             "begun: it raises Interrupted with every slot as before it. False withdraws the request.")
         .def("features", &Session::features)
         .def("decode_rows", &Session::decode_rows, py::arg("tokens"), py::arg("pos"), py::arg("seq"),
              py::arg("top_k") = 1, py::call_guard<py::gil_scoped_release>())

@@ -89,6 +89,9 @@ static std::string process_status(int32_t rc) {
 
 void process(llama_context * ctx, llama_batch_ext * batch, const std::string & what) {
     const int32_t rc = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch);
+    if (rc == 2) {
+        throw Interrupted(what + " interrupted");
+    }
     if (rc != 0) {
         fail(what + " failed: " + process_status(rc) + " (code " + std::to_string(rc) + ")");
     }

@@ -49,6 +49,11 @@ struct NativeError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A decode given up at the caller's request (Session::interrupt): nothing went wrong, and the call can run again.
+struct Interrupted : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 struct LogScope {
     explicit LogScope(bool verbose);
     ~LogScope();
@@ -63,7 +68,8 @@ struct LogScope {
 
 [[noreturn]] void fail(const std::string & what);
 
-// A decode, an output row's logits and a new batch, each failing with a NativeError; milliseconds since t0.
+// A decode (throwing Interrupted if its abort callback stopped it), an output row's logits and a new batch, each
+// failing with a NativeError; milliseconds since t0.
 void process(llama_context * ctx, llama_batch_ext * batch, const std::string & what);
 const float * logits_row(llama_context * ctx, int32_t i, const std::string & what);
 llama_batch_ext * new_batch(llama_context * ctx);

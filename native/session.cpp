@@ -206,7 +206,9 @@ void Session::check_step(const Slot & sl, llama_token last, const std::vector<ll
 // slots in ascending order, and each slot accepts, rolls back and feeds its drafter as step() does. A slot's rows
 // are computed as in a decode of its own (a cache per sequence, batch-invariant kernels), so each slot's result is
 // the one step() would give. Not for recurrent targets (their snapshots and checkpoints are per decode) nor a padded
-// session. Should it fail, every slot of the batch is put back as it was.
+// session. Should it fail, every slot of the batch is put back as it was; so it is when interrupt() stops its decode
+// (Interrupted), and the same steps can run again (not with rejection sampling, whose drafts' distributions would
+// be gone: such a batch is never interrupted).
 std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps) {
     if (recurrent || pad) {
         throw std::logic_error("a recurrent target or a padded session steps one slot at a time");
@@ -227,6 +229,9 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
     }
     std::sort(order.begin(), order.end(), [&](int a, int b) { return steps[a].slot < steps[b].slot; });
     LogScope log(verbose);
+    const bool may_interrupt = std::none_of(steps.begin(), steps.end(), [](const SlotStep & st) {
+        return st.rejection;
+    });
     std::vector<StepResult> res(steps.size());
     std::vector<int> p0(steps.size());
     for (size_t k = 0; k < steps.size(); ++k) {
@@ -259,7 +264,13 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             g0 += group.size();
             const auto t0 = std::chrono::steady_clock::now();
             capture = true;  // features of every row; a slot without capture defers none
+            // only the first decode: after it, slots have accepted tokens and moved their samplers on
+            interruptible = may_interrupt && g0 == group.size();
+            t_interruptible = t0;
+            interrupt_within_ms = step_ms_per_row > 0.0 ? 0.5 * step_ms_per_row * n : 1e30;
             run_target(n, n, true);
+            interruptible = false;
+            step_ms_per_row = ms_since(t0) / n;
             // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows
             // the eval callback copied back in batch order
             std::vector<int> seq;
@@ -307,20 +318,63 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
                 }
                 shared_head_ms = ms_since(th);
             }
+            // every slot reads its rows in order; where slots need rows whose head is not computed yet, the rows all of
+            // them wait for (as many more as each has read: target_row's doubling) are computed in one call
+            std::vector<char> known(group.size(), 0);
+            for (;;) {
+                std::vector<size_t> waiting;
+                for (size_t j = 0; j < group.size(); ++j) {
+                    const int k = group[j];
+                    const SlotStep & st = steps[k];
+                    if (known[j]) {
+                        continue;
+                    }
+                    const auto t_sample = std::chrono::steady_clock::now();
+                    known[j] = accept(res[k], row0[j], *st.sampler, st.index, st.rejection, st.slot,
+                                      hidden_rows > 0 ? &head_ranges[j] : nullptr);
+                    res[k].sample_ms += ms_since(t_sample);
+                    if (!known[j]) {
+                        waiting.push_back(j);
+                    }
+                }
+                if (waiting.empty()) {
+                    break;
+                }
+                const auto th = std::chrono::steady_clock::now();
+                const int n_vocab = tgt.n_vocab();
+                std::vector<int> more;
+                std::vector<float> x, y;
+                for (size_t j : waiting) {
+                    const HeadRange & h = head_ranges[j];
+                    const int i0 = h.lo + h.done;
+                    more.push_back(std::min(h.hi, h.lo + 2 * h.done) - i0);
+                    x.insert(x.end(), &hidden[(size_t) i0 * n_embd], &hidden[(size_t) (i0 + more.back()) * n_embd]);
+                }
+                const int m_all = (int) (x.size() / n_embd);
+                y.resize((size_t) m_all * n_vocab);
+                compute_head(x.data(), y.data(), m_all);
+                size_t off = 0;
+                for (size_t w = 0; w < waiting.size(); ++w) {
+                    HeadRange & h = head_ranges[waiting[w]];
+                    std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
+                                (size_t) more[w] * n_vocab * sizeof(float));
+                    off += (size_t) more[w] * n_vocab;
+                    h.done += more[w];
+                }
+                const double ms = ms_since(th);
+                for (size_t w = 0; w < waiting.size(); ++w) {
+                    res[group[waiting[w]]].head_ms += ms * more[w] / m_all;
+                }
+            }
             for (size_t j = 0; j < group.size(); ++j) {
                 const int k = group[j];
                 const SlotStep & st = steps[k];
                 StepResult & r = res[k];
                 const int rows = (int) r.draft.size() + 1;
-                // the decode's cost shared by rows: each slot's part is what its rows added to the batch
-                r.verify_ms = (decode_ms + shared_head_ms) * rows / n;
-                head_ms = 0.0;
-                const auto t_sample = std::chrono::steady_clock::now();
-                accept(r, row0[j], *st.sampler, st.index, st.rejection, st.slot);
-                r.head_ms = head_ms;
+                // the decode's cost shared by rows: each slot's part is what its rows added to the batch, and its
+                // share of the head calls for rows past the first
+                r.verify_ms = (decode_ms + shared_head_ms) * rows / n + r.head_ms;
                 r.head_rows = head_ranges[j].done;
-                r.sample_ms = ms_since(t_sample) - head_ms;
-                r.verify_ms += head_ms;
                 settle(r, st.last, rows, row0[j], st.slot);
                 at(st.slot).q_tokens.clear();
             }
@@ -329,6 +383,7 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             r.step_ms = r.verify_ms + r.sample_ms + r.rollback_ms + r.draft_ms;
         }
     } catch (...) {
+        interruptible = false;
         feat_rows = 0;
         n_out = 0;
         collecting = false;
@@ -339,6 +394,18 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
         throw;
     }
     return res;
+}
+
+// llama.cpp's abort callback on the target context, asked between the graph's nodes: give up a batched step's decode
+// when interrupt() asked for it and the decode is young enough that giving it up costs less than waiting for it.
+bool Session::abort_cb(void * data) {
+    Session * self = static_cast<Session *>(data);
+    if (!self->interruptible || !self->interrupt_wanted.load(std::memory_order_relaxed) ||
+        ms_since(self->t_interruptible) > self->interrupt_within_ms) {
+        return false;
+    }
+    self->interrupt_wanted = false;  // one interruption per request
+    return true;
 }
 
 // The order in which llama.cpp computes the rows of a batch when each sequence has a cache of its own (its
@@ -755,6 +822,7 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     if (!ctx_tgt) {
         fail("failed to create the target context");
     }
+    llama_set_abort_callback(ctx_tgt, abort_cb, this);
     n_ctx = (int) llama_n_ctx_seq(ctx_tgt);
     n_batch = (int) llama_n_batch(ctx_tgt);  // at most n_ctx: llama.cpp caps it for causal attention
     n_rs = (int) llama_n_rs_seq(ctx_tgt);
@@ -988,22 +1056,27 @@ std::vector<llama_token> Session::cut_draft(const Slot & sl, const std::vector<l
 }
 
 // Accept while the target's own choice (row row0 + a of the last decode) equals the draft (or, rejection sampling,
-// while it keeps the draft token); the first disagreement is the target's token.
-void Session::accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot) {
+// while it keeps the draft token); the first disagreement is the target's token. It goes on from the rows already
+// read (r.tokens); with `wait`, it stops (false) at a row whose LM head that range has not computed yet, for
+// step_batch to compute the rows several slots wait for in one call. True once the step's tokens are all known.
+bool Session::accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot,
+                     const HeadRange * wait) {
     const size_t n_vocab = tgt.n_vocab();
     const Slot & sl = at(slot);
-    int a = 0;
-    for (;; ++a) {
+    for (int a = (int) r.tokens.size();; ++a) {
+        if (wait && a >= wait->done) {
+            return false;
+        }
         const float * row = target_row(row0 + a);
         const llama_token t = rejection && a < (int) r.draft.size()
                                   ? s.judge(row, r.draft[a], &sl.q_rows[a * n_vocab], index + a)
                                   : s.next(row, index + a, cand);
         r.tokens.push_back(t);
         if (a == (int) r.draft.size() || t != r.draft[a]) {
-            break;
+            r.n_accepted = a;
+            return true;
         }
     }
-    r.n_accepted = a;
 }
 
 // After the accept loop: drop the rejected rows of the slot's block (n_block rows from its position, rows row0.. of

@@ -10,6 +10,7 @@
 #include <pybind11/numpy.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -136,6 +137,7 @@ public:
     StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
                     bool rejection, int head_rows = 1, int slot = 0);
     std::vector<StepResult> step_batch(const std::vector<SlotStep> & steps);
+    void interrupt(bool on = true) { interrupt_wanted = on; }
     py::array_t<float> logits(int row);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
@@ -180,6 +182,14 @@ private:
     bool capture = true;  // the target decode running now captures features (its slot's setting)
     llama_context * ctx_tgt = nullptr;
     llama_context * ctx_dft = nullptr;
+    // interrupt(): a batched step's decode gives up if it is in its first half (by the last one's time per row),
+    // once per request, so that a new request's prompt need not wait for the whole step (step_batch)
+    std::atomic<bool> interrupt_wanted{false};
+    bool interruptible = false;  // the decode running now is a batched step's that may be given up
+    std::chrono::steady_clock::time_point t_interruptible;
+    double interrupt_within_ms = 0.0;
+    double step_ms_per_row = 0.0;  // the last batched step's decode
+    static bool abort_cb(void * data);
     llama_batch_ext * batch_tgt = nullptr;
     llama_batch_ext * batch_dft = nullptr;
     llama_token mask_token = -1;
@@ -290,7 +300,8 @@ private:
     void check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft, const Sampler & s,
                     bool rejection) const;
     std::vector<llama_token> cut_draft(const Slot & sl, const std::vector<llama_token> & draft, Sampler & s) const;
-    void accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot);
+    bool accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot,
+                const HeadRange * wait = nullptr);
     void settle(StepResult & r, llama_token last, int n_block, int row0, int slot);
     static std::vector<int> ubatch_order(const std::vector<int> & seq, int n_ubatch);
     void decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot);

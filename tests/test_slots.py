@@ -346,3 +346,84 @@ def test_a_batched_step_is_not_for_a_recurrent_target(qwen35_pair):
     sm = _native.Sampler(e.target, _native.Sampling())
     with pytest.raises(RuntimeError, match="one slot at a time"):
         e.session.step_batch([(0, 1, [], sm, 0, False, 1)])
+
+
+@pytest.mark.parametrize("pair", ["tiny", "gemma"])
+def test_an_interrupted_batched_step_leaves_every_slot_as_it_was(pair, request, tiny_target, tiny_drafter):
+    """Session.interrupt(): the batched step's decode stops (llama.cpp's abort callback), step_batch raises
+    Interrupted with every slot's caches where they were, and the same steps then give what a batch never
+    interrupted gives, up to plain decoding's output; a withdrawn request interrupts nothing."""
+    from dflash_local import _native
+    from dflash_local.engine.engine import Interrupted
+
+    if pair == "tiny":
+        target, drafter = tiny_target, tiny_drafter
+    else:
+        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    single = alone(target, drafter)
+    prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time"]
+    want = [single.complete(p, max_tokens=24, draft=False).token_ids for p in prompts]
+    runs = {}
+    for interrupted in (True, False):
+        e = alone(target, drafter, n_slots=3)
+        s = e.session
+        samplers = [_native.Sampler(e.target, _native.Sampling()) for _ in prompts]
+        toks = [[s.prefill(e.prompt_tokens(p), samplers[k], 0, k)] for k, p in enumerate(prompts)]
+        steps = []
+        for n in range(6):
+            reqs = []
+            for k in range(3):
+                j = len(toks[k])  # the plain continuation with an error planted after n % 4 tokens
+                draft = list(want[k][j:j + 4]) + [0] * max(0, j + 4 - len(want[k]))
+                draft[n % 4] = (draft[n % 4] + 1) % e.target.n_vocab
+                reqs.append((k, toks[k][-1], draft, samplers[k], j, False, 2))
+            if interrupted:
+                past = [s.past(k) for k in range(3)]
+                s.interrupt()
+                with pytest.raises(Interrupted):
+                    s.step_batch(reqs)
+                assert [s.past(k) for k in range(3)] == past
+                s.interrupt()
+                s.interrupt(False)
+            for k, r in enumerate(s.step_batch(reqs)):
+                toks[k].extend(r.tokens)
+                steps.append((k, r.n_accepted, r.tokens, r.rollback))
+        runs[interrupted] = steps
+        assert [t for t in toks] == [w[: len(t)] for w, t in zip(want, toks)]
+    assert runs[True] == runs[False]
+
+
+def test_the_server_runs_an_interrupted_round_again(tiny_target, tiny_drafter):
+    """The runner's rounds interrupted (as a new request's arrival does, here on every other batched round): every
+    output is still that of its request run alone."""
+    from dflash_local.engine.engine import Interrupted
+
+    engine = alone(tiny_target, tiny_drafter, n_slots=3)
+    reference = alone(tiny_target, tiny_drafter)
+    bodies = [{"prompt": p, "max_tokens": 40, "temperature": 0} for p in ("def total(values):\n", "Once upon a",
+                                                                          "Hello world")]
+    rounds, interrupted = [], []
+    step_many = engine.step_many
+
+    def interrupting(requests):
+        rounds.append(len(requests))
+        if len(requests) > 1 and len(rounds) % 2:
+            engine.interrupt()
+        try:
+            return step_many(requests)
+        except Interrupted:
+            interrupted.append(len(requests))
+            raise
+
+    engine.step_many = interrupting
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda b: httpx.post(s.url + "/v1/completions", json=b, timeout=120).json()
+                                  ["choices"][0]["text"], bodies))
+        for body, text in zip(bodies, texts):
+            assert text == reference.complete(body["prompt"], max_tokens=40).text
+        assert len(interrupted) >= 3
+    finally:
+        s.stop()

@@ -31,6 +31,9 @@ class ContextOverflowError(ValueError):
     """The prompt does not fit in the context window."""
 
 
+Interrupted = _native.Interrupted  # step_many gave up its decode, as interrupt() asked: run the same steps again
+
+
 class EngineBusyError(RuntimeError):
     """Another generation is running in this slot of the engine."""
 
@@ -579,6 +582,13 @@ class Engine:
                 return s.step_batch([(q.slot, q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows)
                                      for q in requests])
             return [s.step(q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows, q.slot) for q in requests]
+
+    def interrupt(self, on: bool = True) -> None:
+        """From another thread: ask the step_many in flight to give up its target decode if it has only begun (in
+        its first half), so that a new request's prompt goes before it rather than after; step_many then raises
+        Interrupted, with every slot as it was, and the same StepRequests can run again (their outputs unchanged).
+        The request holds until a decode honours it or interrupt(False) withdraws it."""
+        self.session.interrupt(on)
 
     def generation(self, r: Generation, slot: int = 0):
         """The generator behind run(): it yields run()'s events and, at each step, a StepRequest, and takes that
