@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, os.path.abspath(getattr(args, name)))
     rows = []
     for k in map(int, args.clients.split(",")):
-        ours = [sys.executable, "-m", "dflash_local", "serve", "-np", str(k)] + (["-m", args.model] if args.model else [])
+        ours = [sys.executable, "-m", "dflash_local", "serve", "-np", str(k)]
+        ours += ["-m", args.model] if args.model else []
         rows += [run(ours + ["-d", args.draft], args.requests, args.max_tokens, f"dflash -np {k}", k),
                  run(ours + ["--no-draft"], args.requests, args.max_tokens, f"no drafter -np {k}", k)]
         if args.llama_server:

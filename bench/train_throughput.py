@@ -6,8 +6,9 @@
 Data: the same prompts (the default corpus's first --samples) continued with -np 1, 4, 16 ... sequences side by side,
 one run each, in this process: target tokens per second of wall time and per CPU-second (the second holds up when other
 work shares the machine). Then --passages corpus passages read by the target (--text-samples): tokens read per second,
-and how many exact labels (of the 7 block positions) an anchor gets on average, where a continuation's get all 7. Training: --steps steps of the shipped drafter's shape (2 layers, features of layers 2, 9
-and 16, block 8, draft vocabulary 8192, 4 sequences x 16 blocks) on that data: steps and predicted tokens per second.
+and how many exact labels (of the 7 block positions) an anchor gets on average, where a continuation's get all 7.
+Training: --steps steps of the shipped drafter's shape (2 layers, features of layers 2, 9 and 16, block 8, draft
+vocabulary 8192, 4 sequences x 16 blocks) on that data: steps and predicted tokens per second.
 Writes bench/results/train-throughput.json.
 """
 

@@ -233,6 +233,8 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("checkpoint_pos", [](const Session & ss) { return ss.checkpoint_pos(0); })
         .def("checkpoint_at", &Session::checkpoint_pos, py::arg("slot"))
         .def_property_readonly("n_pending", [](const Session & ss) { return ss.pending_rows(0); })
+        .def("pending", &Session::pending_rows, py::arg("slot"),
+             "Positions of one slot whose features wait to go into the drafter (n_pending: slot 0's).")
         .def_property_readonly("pads_rows", &Session::pads_rows)
         .def("checkpoint", &Session::checkpoint, py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
         .def("set_capture", &Session::set_capture, py::arg("on"), py::arg("slot") = 0)
@@ -251,6 +253,9 @@ PYBIND11_MODULE(_native, m) {
         .def("draft", &Session::draft, py::arg("last"), py::arg("n_draft"), py::arg("with_probs") = false,
              py::arg("sampler").none(true) = nullptr, py::arg("index") = 0, py::arg("slot") = 0,
              py::call_guard<py::gil_scoped_release>())
+        .def("draft_batch", &Session::draft_batch, py::arg("drafts"), py::call_guard<py::gil_scoped_release>(),
+             "Several slots' greedy drafts, (slot, last, n_draft) each, those of one length in one drafter decode: "
+             "what draft() gives each, in the same order.")
         .def("step", &Session::step, py::arg("last"), py::arg("draft"), py::arg("sampler"), py::arg("index"),
              py::arg("rejection") = false, py::arg("head_rows") = 1, py::arg("slot") = 0,
              py::call_guard<py::gil_scoped_release>())

@@ -169,6 +169,85 @@ Draft Session::draft(llama_token last, int n_draft, bool with_probs, const Sampl
     });
 }
 
+// Several slots' greedy drafts, (slot, last, n_draft) each: what draft() gives each. The slots that draft as many
+// tokens share one drafter decode: the drafter attends non-causally, so a block must lie in one ubatch, and with a
+// cache per sequence llama.cpp puts as many rows of each sequence in a ubatch, so only blocks of one length can
+// share a decode. A DSpark drafter (its Markov head chains along the batch's rows) and DFlash2 (its selector) draft
+// one slot at a time, as does a session that keeps the drafts' logits. Should it fail, every slot is put back.
+std::vector<Draft> Session::draft_batch(const std::vector<std::tuple<int, llama_token, int>> & drafts) {
+    if (!ctx_dft) {
+        throw std::logic_error("this session has no llama.cpp drafter");
+    }
+    for (size_t k = 0; k < drafts.size(); ++k) {
+        const auto & [slot, last, n] = drafts[k];
+        at(slot);
+        check_tokens({last});
+        for (size_t j = 0; j < k; ++j) {
+            if (std::get<0>(drafts[j]) == slot) {
+                throw std::invalid_argument("slot " + std::to_string(slot) + " has two drafts in one batch");
+            }
+        }
+    }
+    LogScope log(verbose);
+    std::vector<Draft> out(drafts.size());
+    const bool shared = top_k == 0 && !dspark && !keep_draft;
+    const int first = anchor_first ? 0 : 1;
+    const int cap = (int) llama_n_batch(ctx_dft);
+    try {
+        std::vector<int> order;  // the slots that draft, by length
+        for (size_t k = 0; k < drafts.size(); ++k) {
+            const auto & [slot, last, n] = drafts[k];
+            at(slot).q_tokens.clear();
+            if (n > 0) {
+                flush(slot);
+                order.push_back((int) k);
+            }
+        }
+        auto len = [&](int k) { return std::min(std::get<2>(drafts[k]), max_draft); };
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return len(a) < len(b); });
+        for (size_t g0 = 0; g0 < order.size();) {
+            const int n = len(order[g0]);
+            std::vector<int> group;
+            while (g0 + group.size() < order.size() && len(order[g0 + group.size()]) == n &&
+                   (group.empty() || (shared && (int) (group.size() + 1) * (n + first) <= cap))) {
+                group.push_back(order[g0 + group.size()]);
+            }
+            g0 += group.size();
+            if (group.size() == 1) {
+                const auto & [slot, last, n_draft] = drafts[group[0]];
+                draft_block(last, n, false, nullptr, 0, out[group[0]], slot);
+                continue;
+            }
+            llama_batch_ext_clear(batch_dft);
+            for (int k : group) {  // every row an output, as in draft_block
+                const auto & [slot, last, n_draft] = drafts[k];
+                const int past = at(slot).past;
+                drop_from(ctx_dft, past, "drafter", slot);
+                for (int i = 0; i < n + first; ++i) {
+                    add_token(batch_dft, i == 0 ? last : mask_token, past + i, true, slot);
+                }
+            }
+            process(ctx_dft, batch_dft, "drafter decode");
+            const int n_vocab = tgt.n_vocab();
+            for (size_t j = 0; j < group.size(); ++j) {
+                for (int i = 0; i < n; ++i) {
+                    const int row = (int) j * (n + first) + first + i;
+                    out[group[j]].tokens.push_back(argmax(logits_row(ctx_dft, row, "drafter"), n_vocab));
+                }
+            }
+        }
+    } catch (...) {
+        draft_rows.clear();
+        lattice_rows.clear();
+        for (const auto & [slot, last, n] : drafts) {
+            at(slot).q_tokens.clear();
+            keep(recurrent ? 0 : at(slot).past, slot);
+        }
+        throw;
+    }
+    return out;
+}
+
 // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
 // not yet in the caches.
 // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.

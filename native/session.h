@@ -132,6 +132,7 @@ public:
     void truncate(int n, int slot = 0);
     llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index, int slot = 0);
     void checkpoint(int slot = 0);
+    std::vector<Draft> draft_batch(const std::vector<std::tuple<int, llama_token, int>> & drafts);
     Draft draft(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
                 int slot = 0);
     StepResult step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,

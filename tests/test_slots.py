@@ -14,7 +14,7 @@ from scripted import ScriptedDrafter
 from test_server import ServerThread, serve_command
 
 from dflash_local import Engine, EngineBusyError, Finished, StepStats
-from dflash_local.engine.engine import StepRequest
+from dflash_local.engine.engine import DraftRequest, StepRequest
 from dflash_local.server.app import create_app
 
 # a mix of requests: greedy drafting, plain decoding, seeded sampling, a grammar, a stop string
@@ -29,28 +29,35 @@ REQUESTS = [
 
 def interleave(engine: Engine, jobs: dict[int, dict]) -> dict[int, tuple[Finished, list[StepStats]]]:
     """Run each request in its slot as the server's runner does: rounds in which every generation goes on to its
-    next step, then all their steps run together (Engine.step_many: one target decode where the target allows)."""
+    next step, their drafts are made together (Engine.draft_many), then all their steps run together
+    (Engine.step_many: one target decode where the target allows)."""
     gens = {slot: engine.generation(engine.prepare(**kw), slot) for slot, kw in jobs.items()}
     steps = {slot: [] for slot in jobs}
     results = dict.fromkeys(jobs)
     out = {}
+
+    def advance(slot):
+        while True:
+            try:
+                ev = gens[slot].send(results[slot])
+            except StopIteration:
+                del gens[slot]
+                return None
+            results[slot] = None
+            if isinstance(ev, (StepRequest, DraftRequest)):
+                return ev
+            if isinstance(ev, StepStats):
+                steps[slot].append(ev)
+            elif isinstance(ev, Finished):
+                out[slot] = (ev, steps[slot])
+
     while gens:
-        requests = []
-        for slot in list(gens):
-            while True:
-                try:
-                    ev = gens[slot].send(results[slot])
-                except StopIteration:
-                    del gens[slot]
-                    break
-                results[slot] = None
-                if isinstance(ev, StepRequest):
-                    requests.append(ev)
-                    break
-                if isinstance(ev, StepStats):
-                    steps[slot].append(ev)
-                elif isinstance(ev, Finished):
-                    out[slot] = (ev, steps[slot])
+        asked = [q for q in map(advance, list(gens)) if q is not None]
+        drafts = [q for q in asked if isinstance(q, DraftRequest)]
+        requests = [q for q in asked if isinstance(q, StepRequest)]
+        for q, r in zip(drafts, engine.draft_many(drafts) if drafts else []):
+            results[q.slot] = r
+            requests.append(advance(q.slot))
         for q, r in zip(requests, engine.step_many(requests) if requests else []):
             results[q.slot] = r
     return out
@@ -235,9 +242,10 @@ def test_sixteen_mixed_clients_on_four_slots(tiny_target, tiny_drafter):
         if i % 3 == 0:
             body["stream"] = True
         bodies.append(body)
-    batches = []  # the number of slots' steps in each target decode the runner asked for
-    step_many = engine.step_many
+    batches, drafted = [], []  # the number of slots' steps (drafts) in each call the runner made
+    step_many, draft_many = engine.step_many, engine.draft_many
     engine.step_many = lambda requests: batches.append(len(requests)) or step_many(requests)
+    engine.draft_many = lambda requests: drafted.append(len(requests)) or draft_many(requests)
     s = ServerThread(create_app(lambda: engine, "tiny", max_queue=32))
     try:
         s.wait_healthy()
@@ -272,6 +280,7 @@ def test_sixteen_mixed_clients_on_four_slots(tiny_target, tiny_drafter):
             assert time.time() < end
             time.sleep(0.05)
         assert max(batches) == 4 and 1 <= min(batches)  # four slots' steps verified in one decode
+        assert max(drafted) == 4  # and drafted together
     finally:
         s.stop()
 
@@ -425,5 +434,43 @@ def test_the_server_runs_an_interrupted_round_again(tiny_target, tiny_drafter):
         for body, text in zip(bodies, texts):
             assert text == reference.complete(body["prompt"], max_tokens=40).text
         assert len(interrupted) >= 3
+        assert f"dflash_interrupted_rounds_total {len(interrupted)}" in httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("pair", ["tiny", "gemma"])
+def test_drafts_of_several_slots_in_one_drafter_decode_are_each_slots_own(pair, request, tiny_target, tiny_drafter):
+    """Session.draft_batch: the slots that draft as many tokens share one drafter decode, each slot's deferred
+    features injected first, and each slot's draft is the one draft() gives it alone, for drafts of one length and of
+    mixed lengths (some slots not drafting)."""
+    from dflash_local import _native
+
+    if pair == "tiny":
+        target, drafter = tiny_target, tiny_drafter
+    else:
+        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time", "Hello world"]
+    engines = [alone(target, drafter, n_slots=4) for _ in range(2)]
+    lasts = []
+    for e in engines:
+        s = e.session
+        lasts, waiting = [], []
+        for k, p in enumerate(prompts):
+            sampler = _native.Sampler(e.target, _native.Sampling())
+            ids = e.prompt_tokens(p)
+            last = s.prefill(ids, sampler, 0, k)
+            for i in range(k + 1):  # plain steps: their features wait in the slot, to go in before its next draft
+                last = s.step(last, [], sampler, i + 1, False, 1, k).tokens[-1]
+            lasts.append(last)
+            waiting.append(len(ids) + k + 1)
+        assert [s.pending(k) for k in range(4)] == waiting  # the prompt's positions and each step's
+    batched, single = engines[0].session, engines[1].session
+    max_draft = engines[0].max_draft
+    for lengths in ([3, 3, 3, 3], [1, max_draft, 0, max_draft], [2, 5, 2, 5]):
+        got = batched.draft_batch([(k, lasts[k], n) for k, n in enumerate(lengths)])
+        want = [single.draft(lasts[k], n, slot=k).tokens for k, n in enumerate(lengths)]
+        assert [d.tokens for d in got] == want
+        assert [len(d.tokens) for d in got] == [min(n, max_draft) for n in lengths]  # at most a block
+    with pytest.raises(ValueError, match="slot 1 has two drafts"):
+        batched.draft_batch([(1, lasts[1], 2)] * 2)

@@ -82,6 +82,17 @@ class StepRequest:
 
 
 @dataclass
+class DraftRequest:
+    """What a generation asks the engine's llama.cpp drafter for at a step, before its StepRequest (greedy drafts
+    only): the driver drafts it alone (Engine.run) or with other slots' in one drafter decode (the server's runner,
+    through Engine.draft_many), and sends back (tokens, ratings or None, milliseconds)."""
+
+    slot: int
+    last: int
+    n_draft: int
+
+
+@dataclass
 class Generation:
     """One generation's request, parsed and checked once (Engine.prepare), then run by the loop (Engine.run). The
     server, the CLI and the TUI hand this object on; its sampler holds the generation's sampling state, so it runs
@@ -562,9 +573,9 @@ class Engine:
                 except StopIteration:
                     return
                 result = None
-                if isinstance(ev, StepRequest):
+                if isinstance(ev, (StepRequest, DraftRequest)):
                     try:
-                        result = self.step_many([ev])[0]
+                        result = (self.step_many if isinstance(ev, StepRequest) else self.draft_many)([ev])[0]
                     except Exception as e:
                         gen.throw(e)  # the generation records its cache, and the error goes on to the caller
                     continue
@@ -583,6 +594,17 @@ class Engine:
                                      for q in requests])
             return [s.step(q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows, q.slot) for q in requests]
 
+    def draft_many(self, requests: list[DraftRequest]) -> list[tuple[list[int], list[float] | None, float]]:
+        """Draft for several slots with the engine's llama.cpp drafter, the drafts of one length in one drafter decode
+        (Session.draft_batch); each slot gets the draft it would get alone. Returns (tokens, ratings or None, its
+        share of the milliseconds) for each request, in order."""
+        with self._native:
+            t0 = time.perf_counter()
+            drafts = self.session.draft_batch([(q.slot, q.last, q.n_draft) for q in requests])
+            ms = (time.perf_counter() - t0) * 1000
+        n = sum(q.n_draft for q in requests) or 1
+        return [(d.tokens, d.confidence or None, ms * q.n_draft / n) for q, d in zip(requests, drafts)]
+
     def interrupt(self, on: bool = True) -> None:
         """From another thread: ask the step_many in flight to give up its target decode if it has only begun (in
         its first half), so that a new request's prompt goes before it rather than after; step_many then raises
@@ -591,8 +613,9 @@ class Engine:
         self.session.interrupt(on)
 
     def generation(self, r: Generation, slot: int = 0):
-        """The generator behind run(): it yields run()'s events and, at each step, a StepRequest, and takes that
-        step's native StepResult back (generator.send). For a driver that runs several slots' steps together."""
+        """The generator behind run(): it yields run()'s events and, at each step, a StepRequest (first a
+        DraftRequest where the engine's llama.cpp drafter drafts), and takes back that step's native StepResult (the
+        draft's result of draft_many) by generator.send. For a driver that runs several slots' steps together."""
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"no slot {slot}: the engine has {len(self.slots)}")
         sl = self.slots[slot]
@@ -644,11 +667,10 @@ class Engine:
                     break
                 room = max_tokens - len(out.ids) - 1  # drafts past max_tokens would be wasted
                 index = len(tokens) - len(ids)  # the number of the target's next generated token
-                with self._native:
-                    t0 = time.perf_counter()
-                    proposer, proposal, ratings, draft_ms = self._propose(sl.id, chain, tokens, room, index, sampler,
-                                                                          rejection)
-                    propose_ms = (time.perf_counter() - t0) * 1000
+                t0 = time.perf_counter()
+                proposer, proposal, ratings, draft_ms, waited_ms = yield from self._propose(
+                    sl.id, chain, tokens, room, index, sampler, rejection)
+                propose_ms = (time.perf_counter() - t0) * 1000 - waited_ms + draft_ms
                 owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
                 pos0 = s.past(sl.id)
                 r = yield StepRequest(sl.id, tokens[-1], proposal, sampler, index, rejection,
@@ -748,26 +770,33 @@ class Engine:
 
     def _propose(self, slot: int, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
         """The first proposal of the chain of (drafter, policy): each drafts as many tokens as its policy chooses
-        (at most room), cut where the drafter rates them. Returns the drafter that proposed (None: none did, a plain
-        step), its tokens, its ratings of them (None if it gives none) and its milliseconds. Rejection sampling draws
-        the llama.cpp drafter's tokens from its distribution, which the step then uses."""
-        spent = 0.0  # a draft that its ratings cut to nothing still took its time
+        (at most room), cut where the drafter rates them. The greedy drafts of the engine's llama.cpp drafter are
+        asked of the driver (a DraftRequest), which may draft several slots' in one decode. Returns the drafter that
+        proposed (None: none did, a plain step), its tokens, its ratings of them (None if it gives none), its
+        milliseconds and those spent waiting for the driver. Rejection sampling draws the llama.cpp drafter's tokens
+        from its distribution, which the step then uses."""
+        spent = waited = 0.0  # a draft that its ratings cut to nothing still took its time
         for drafter, policy in chain:
             k = min(policy.choose(), room)
             if drafter is None or k < 1:
                 continue
             t0 = time.perf_counter()
-            if rejection:
-                proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index, slot).tokens, None
+            if type(drafter) is NativeDrafter and drafter.session is self.session and not rejection:
+                proposal, ratings, draft_ms = yield DraftRequest(slot, tokens[-1], k)
+                waited += (time.perf_counter() - t0) * 1000
             else:
-                proposal, ratings = drafter.draft_rated(tokens, k)
-            draft_ms = (time.perf_counter() - t0) * 1000
+                with self._native:
+                    if rejection:
+                        proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index, slot).tokens, None
+                    else:
+                        proposal, ratings = drafter.draft_rated(tokens, k)
+                draft_ms = (time.perf_counter() - t0) * 1000
             if ratings:
                 proposal = proposal[: policy.cut(ratings, draft_ms)]
             if proposal:
-                return drafter, proposal, ratings, draft_ms
+                return drafter, proposal, ratings, draft_ms, waited
             spent = draft_ms if ratings else 0.0
-        return None, [], None, spent
+        return None, [], None, spent, waited
 
     def _policy_for(self, sl: Slot, name: str, max_draft: int) -> DraftPolicy:
         """The adaptive policy of one drafter ('drafter' or 'ngram') in a slot, kept across generations (its timings

@@ -25,8 +25,9 @@ class NgramSpec:
 
 
 class NgramDrafter(Drafter):
-    """A proposer like the DFlash drafters, needing no context of features. One generation's lookup table: for every n-gram of the tokens so far, where it last ended. The tokens only
-    grow during a generation, so each call indexes just the new positions."""
+    """A proposer like the DFlash drafters, needing no context of features. One generation's lookup table: for every
+    n-gram of the tokens so far, where it last ended. The tokens only grow during a generation, so each call indexes
+    just the new positions."""
 
     def __init__(self, spec: NgramSpec):
         self.n, self.m = spec.size_n, spec.size_m

@@ -129,7 +129,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         state.check_key(request)
         runner = state.runner
         gauges = {"slots_processing": runner.busy, "requests_waiting": runner.waiting} if runner else {}
-        return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        counters = {"interrupted_rounds_total": runner.interrupted} if runner else {}
+        return PlainTextResponse(state.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):

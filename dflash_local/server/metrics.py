@@ -38,8 +38,9 @@ class Metrics:
         for k, n in enumerate(s.accepted_at):
             self.accepted_at[k] += n
 
-    def render(self, gauges: dict[str, int] | None = None) -> str:
-        """The counters, and `gauges` (slots_processing, requests_waiting: the runner's state now)."""
+    def render(self, gauges: dict[str, int] | None = None, counters: dict[str, int] | None = None) -> str:
+        """The counters, `gauges` (slots_processing, requests_waiting: the runner's state now) and the runner's own
+        `counters` (interrupted_rounds_total)."""
         rows = [
             ("requests_total", "Completed generation requests.", self.requests),
             ("cancelled_requests_total", "Requests stopped because the client went away.", self.cancelled),
@@ -63,7 +64,9 @@ class Metrics:
             out += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} counter"]
             out += [f'dflash_{name}{{slot="{k}"}} {n}' for k, n in sorted(per_slot.items())]
         helps = {"slots_processing": "Slots running a generation now.",
-                 "requests_waiting": "Requests waiting for a free slot."}
-        for name, value in (gauges or {}).items():
-            out += [f"# HELP dflash_{name} {helps[name]}", f"# TYPE dflash_{name} gauge", f"dflash_{name} {value}"]
+                 "requests_waiting": "Requests waiting for a free slot.",
+                 "interrupted_rounds_total": "Batched steps given up for a new request's prompt, then run again."}
+        for kind, values in (("gauge", gauges), ("counter", counters)):
+            for name, value in (values or {}).items():
+                out += [f"# HELP dflash_{name} {helps[name]}", f"# TYPE dflash_{name} {kind}", f"dflash_{name} {value}"]
         return "\n".join(out) + "\n"

@@ -2,7 +2,9 @@
 
 A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
 picks one) or waits in a bounded FIFO queue. The worker runs rounds: every running generation goes on to its next
-step (or through one batch of its prompt), then all their steps run in one target decode (Engine.step_many). A
+step (or through one batch of its prompt); the slots' drafts from the engine's drafter are made together
+(Engine.draft_many: one drafter decode for the blocks of one length), then all their steps run in one target decode
+(Engine.step_many). A
 request that arrives while others stream starts at the next round instead of after they end, and each
 slot's output is that of the request run alone (engine.py). On a CPU a round's decode can take longer than a prompt
 (8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take interrupts it if it
@@ -17,7 +19,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine.engine import Engine, Finished, Generation, Interrupted, Prefilled, StepRequest
+from ..engine.engine import DraftRequest, Engine, Finished, Generation, Interrupted, Prefilled, StepRequest
 from ..engine.stats import StepStats
 
 
@@ -74,6 +76,7 @@ class Runner:
         self._running: dict[int, tuple[Job, object]] = {}  # slot -> (job, its engine generator)
         self._results: dict[int, object] = {}  # slot -> its last step's result (or error), for its generator
         self._again: list[StepRequest] = []  # the steps of an interrupted round, to run in the next one
+        self.interrupted = 0  # rounds interrupted so far (/metrics)
         self._last_used = [0] * len(engine.slots)
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -154,23 +157,37 @@ class Runner:
                 while not self._waiting and not self._running:
                     self._cv.wait()
             # a round: each running generation goes on to its next step, or through one batch of its prompt (a
-            # request that arrives meanwhile starts before the next slot's turn, so its first token waits for one
-            # slot's draft at most), then the steps of all of them run in one target decode
+            # request that arrives meanwhile starts before the next slot's turn), the drafts they ask the drafter
+            # for are made together, then the steps of all of them run in one target decode
             requests, self._again = self._again, []
             turned = {q.slot for q in requests}
+            drafts = []
             while True:
                 fresh = self._admit()
                 slot = next((k for k in fresh + list(self._running) if k not in turned), None)
                 if slot is None:
                     break
                 turned.add(slot)
-                if (q := self._advance(slot)) is not None:
-                    requests.append(q)
+                q = self._advance(slot)
+                (drafts if isinstance(q, DraftRequest) else requests).append(q)
+            while drafts:
+                try:
+                    results = self.engine.draft_many(drafts)
+                except Exception as e:  # every generation that asked gets the error
+                    results = [e] * len(drafts)
+                again = []
+                for q, r in zip(drafts, results):
+                    self._results[q.slot] = r
+                    step = self._advance(q.slot)
+                    (again if isinstance(step, DraftRequest) else requests).append(step)
+                drafts = again
+            requests = [q for q in requests if q is not None]
             if not requests:
                 continue
             try:
                 results = self.engine.step_many(requests)
             except Interrupted:
+                self.interrupted += 1
                 self._again = [q for q in requests if q.slot in self._running]
                 continue
             except Exception as e:  # every generation of the batch gets the error
@@ -180,9 +197,9 @@ class Runner:
             for q, r in zip(requests, results):
                 self._results[q.slot] = r
 
-    def _advance(self, slot: int) -> StepRequest | None:
-        """Run the slot's generation up to its next step (handing its events to the caller), or through one batch
-        of its prompt; its StepRequest, or None."""
+    def _advance(self, slot: int) -> StepRequest | DraftRequest | None:
+        """Run the slot's generation up to its next step or draft (handing its events to the caller), or through one
+        batch of its prompt; its StepRequest or DraftRequest, or None."""
         job, gen = self._running[slot]
         result = self._results.pop(slot, None)
         while True:
@@ -199,7 +216,7 @@ class Runner:
                 self._end(slot)
                 return None
             result = None
-            if isinstance(ev, StepRequest):
+            if isinstance(ev, (StepRequest, DraftRequest)):
                 return ev
             task = self.slots[slot]
             if isinstance(ev, Prefilled):

@@ -8,8 +8,9 @@
    bidirectionally, to their own block; cross-entropy against the target's own greedy tokens, weighted
    exp(-(k-1)/7) at block position k. The label at block position k is the target's next token after position
    anchor + k - 1, which is its greedy continuation of the anchor as long as the tokens between are its own: always
-   in a continuation, where the text agrees with it in a prompt or passage (elsewhere the position is not trained). Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded
-   into fc at export, so the exported drafter reads raw features as llama.cpp's graph feeds them.
+   in a continuation, where the text agrees with it in a prompt or passage (elsewhere the position is not trained).
+   Target features are scaled to unit RMS per dimension (gemma's reach 1e5) and the scale is folded into fc at
+   export, so the exported drafter reads raw features as llama.cpp's graph feeds them.
 3. Validation every --eval-every steps: the real engine drafts with the exported GGUF on held-out prompts (the
    corpus's last ones, never trained on) and reports the mean acceptance length.
 4. Export: a z-lab checkpoint folder (`zlab/`) and a GGUF through the converter (`drafter-<outtype>.gguf`), from the
