@@ -153,6 +153,10 @@ static inline __attribute__((always_inline)) void tile_q0(unpack_fn unpack, cons
         __m512 wd[4];
         for (int r = 0; r < WR; ++r) {
             const char * wb = w + (i0 + r) * w_stride + b * wsize;
+            // the tile reads WR rows side by side, which the hardware prefetchers follow poorly: on gemma-3-270m's
+            // LM head (262k x 640 q8_0, one thread) 8 blocks ahead took 2 rows from 30 to 17 ms, 4 rows from 35 to
+            // 23 (4 or 16 blocks ahead: no gain). A hint only: every element's bits are as before.
+            _mm_prefetch(wb + 8 * wsize, _MM_HINT_T0);
             wu[r] = _mm512_broadcast_i64x4(unpack(wb));
             wd[r] = _mm512_set1_ps(f16(*(const uint16_t *) wb));
         }
