@@ -670,7 +670,7 @@ class Engine:
                 t0 = time.perf_counter()
                 proposer, proposal, ratings, draft_ms, waited_ms = yield from self._propose(
                     sl.id, chain, tokens, room, index, sampler, rejection)
-                propose_ms = (time.perf_counter() - t0) * 1000 - waited_ms + draft_ms
+                propose_ms = (time.perf_counter() - t0) * 1000 - waited_ms
                 owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
                 pos0 = s.past(sl.id)
                 r = yield StepRequest(sl.id, tokens[-1], proposal, sampler, index, rejection,
@@ -773,8 +773,8 @@ class Engine:
         (at most room), cut where the drafter rates them. The greedy drafts of the engine's llama.cpp drafter are
         asked of the driver (a DraftRequest), which may draft several slots' in one decode. Returns the drafter that
         proposed (None: none did, a plain step), its tokens, its ratings of them (None if it gives none), its
-        milliseconds and those spent waiting for the driver. Rejection sampling draws the llama.cpp drafter's tokens
-        from its distribution, which the step then uses."""
+        milliseconds and those spent waiting for the driver beyond them. Rejection sampling draws the llama.cpp
+        drafter's tokens from its distribution, which the step then uses."""
         spent = waited = 0.0  # a draft that its ratings cut to nothing still took its time
         for drafter, policy in chain:
             k = min(policy.choose(), room)
@@ -783,7 +783,7 @@ class Engine:
             t0 = time.perf_counter()
             if type(drafter) is NativeDrafter and drafter.session is self.session and not rejection:
                 proposal, ratings, draft_ms = yield DraftRequest(slot, tokens[-1], k)
-                waited += (time.perf_counter() - t0) * 1000
+                waited += (time.perf_counter() - t0) * 1000 - draft_ms  # other slots' turns, not this draft
             else:
                 with self._native:
                     if rejection:
