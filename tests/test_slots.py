@@ -63,6 +63,12 @@ def interleave(engine: Engine, jobs: dict[int, dict]) -> dict[int, tuple[Finishe
     return out
 
 
+def tiny_or_gemma(pair: str, request) -> tuple:
+    """The (target, drafter) fixtures of a test parametrized over "tiny" and "gemma"."""
+    names = ("tiny_target", "tiny_drafter") if pair == "tiny" else ("gemma_target", "gemma_drafter")
+    return tuple(request.getfixturevalue(n) for n in names)
+
+
 def alone(target, drafter, **engine_kw):
     return Engine(target, drafter, n_ctx=512, draft_policy="fixed", **engine_kw)
 
@@ -304,17 +310,14 @@ def test_serve_np_splits_the_context_and_checks_its_value(tiny_target):
 
 
 @pytest.mark.parametrize("pair", ["tiny", "gemma"])
-def test_a_batched_step_of_several_slots_is_each_slots_own_step(pair, request, tiny_target, tiny_drafter):
+def test_a_batched_step_of_several_slots_is_each_slots_own_step(pair, request):
     """Session.step_batch verifies every slot's block in one target decode (the server's runner, through
     Engine.step_many): each
     slot's tokens, acceptance and rollback are those of its own step, for blocks of equal and of mixed lengths, with
     planted errors at every offset, and the generation is plain decoding's."""
     from dflash_local import _native
 
-    if pair == "tiny":
-        target, drafter = tiny_target, tiny_drafter
-    else:
-        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    target, drafter = tiny_or_gemma(pair, request)
     single = alone(target, drafter)
     prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time", "Hello world"]
     want = [single.complete(p, max_tokens=48, draft=False).token_ids for p in prompts]
@@ -358,17 +361,14 @@ def test_a_batched_step_is_not_for_a_recurrent_target(qwen35_pair):
 
 
 @pytest.mark.parametrize("pair", ["tiny", "gemma"])
-def test_an_interrupted_batched_step_leaves_every_slot_as_it_was(pair, request, tiny_target, tiny_drafter):
+def test_an_interrupted_batched_step_leaves_every_slot_as_it_was(pair, request):
     """Session.interrupt(): the batched step's decode stops (llama.cpp's abort callback), step_batch raises
     Interrupted with every slot's caches where they were, and the same steps then give what a batch never
     interrupted gives, up to plain decoding's output; a withdrawn request interrupts nothing."""
     from dflash_local import _native
     from dflash_local.engine.engine import Interrupted
 
-    if pair == "tiny":
-        target, drafter = tiny_target, tiny_drafter
-    else:
-        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    target, drafter = tiny_or_gemma(pair, request)
     single = alone(target, drafter)
     prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time"]
     want = [single.complete(p, max_tokens=24, draft=False).token_ids for p in prompts]
@@ -440,16 +440,13 @@ def test_the_server_runs_an_interrupted_round_again(tiny_target, tiny_drafter):
 
 
 @pytest.mark.parametrize("pair", ["tiny", "gemma"])
-def test_drafts_of_several_slots_in_one_drafter_decode_are_each_slots_own(pair, request, tiny_target, tiny_drafter):
+def test_drafts_of_several_slots_in_one_drafter_decode_are_each_slots_own(pair, request):
     """Session.draft_batch: the slots that draft as many tokens share one drafter decode, each slot's deferred
     features injected first, and each slot's draft is the one draft() gives it alone, for drafts of one length and of
     mixed lengths (some slots not drafting)."""
     from dflash_local import _native
 
-    if pair == "tiny":
-        target, drafter = tiny_target, tiny_drafter
-    else:
-        target, drafter = request.getfixturevalue("gemma_target"), request.getfixturevalue("gemma_drafter")
+    target, drafter = tiny_or_gemma(pair, request)
     prompts = ["def total(values):\n", "The quick brown fox", "Once upon a time", "Hello world"]
     engines = [alone(target, drafter, n_slots=4) for _ in range(2)]
     lasts = []
