@@ -379,23 +379,13 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             double shared_head_ms = 0.0;
             if (hidden_rows > 0) {
                 // every block's first rows in one head call: the matrix is read once for all of them
-                const auto th = std::chrono::steady_clock::now();
-                const int n_vocab = tgt.n_vocab();
-                std::vector<float> x, y;
-                for (const HeadRange & h : head_ranges) {
-                    const int m = std::min(h.first, h.hi - h.lo);
-                    x.insert(x.end(), &hidden[(size_t) h.lo * n_embd], &hidden[(size_t) (h.lo + m) * n_embd]);
+                std::vector<size_t> all(group.size());
+                std::vector<int> first(group.size());
+                for (size_t j = 0; j < group.size(); ++j) {
+                    all[j] = j;
+                    first[j] = std::min(head_ranges[j].first, head_ranges[j].hi - head_ranges[j].lo);
                 }
-                const int m_all = (int) (x.size() / n_embd);
-                y.resize((size_t) m_all * n_vocab);
-                compute_head(x.data(), y.data(), m_all);
-                size_t off = 0;
-                for (HeadRange & h : head_ranges) {
-                    h.done = std::min(h.first, h.hi - h.lo);
-                    std::memcpy(&head_logits[(size_t) h.lo * n_vocab], &y[off], (size_t) h.done * n_vocab * 4);
-                    off += (size_t) h.done * n_vocab;
-                }
-                shared_head_ms = ms_since(th);
+                shared_head_ms = head_more(all, first);
             }
             // every slot reads its rows in order; where slots need rows whose head is not computed yet, the rows all of
             // them wait for (as many more as each has read: target_row's doubling) are computed in one call
@@ -419,28 +409,14 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
                 if (waiting.empty()) {
                     break;
                 }
-                const auto th = std::chrono::steady_clock::now();
-                const int n_vocab = tgt.n_vocab();
                 std::vector<int> more;
-                std::vector<float> x, y;
+                int m_all = 0;
                 for (size_t j : waiting) {
                     const HeadRange & h = head_ranges[j];
-                    const int i0 = h.lo + h.done;
-                    more.push_back(std::min(h.hi, h.lo + 2 * h.done) - i0);
-                    x.insert(x.end(), &hidden[(size_t) i0 * n_embd], &hidden[(size_t) (i0 + more.back()) * n_embd]);
+                    more.push_back(std::min(h.hi, h.lo + 2 * h.done) - (h.lo + h.done));
+                    m_all += more.back();
                 }
-                const int m_all = (int) (x.size() / n_embd);
-                y.resize((size_t) m_all * n_vocab);
-                compute_head(x.data(), y.data(), m_all);
-                size_t off = 0;
-                for (size_t w = 0; w < waiting.size(); ++w) {
-                    HeadRange & h = head_ranges[waiting[w]];
-                    std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
-                                (size_t) more[w] * n_vocab * sizeof(float));
-                    off += (size_t) more[w] * n_vocab;
-                    h.done += more[w];
-                }
-                const double ms = ms_since(th);
+                const double ms = head_more(waiting, more);
                 for (size_t w = 0; w < waiting.size(); ++w) {
                     res[group[waiting[w]]].head_ms += ms * more[w] / m_all;
                 }
@@ -473,6 +449,30 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
         throw;
     }
     return res;
+}
+
+// The LM head of the next more[w] rows of each of the head ranges `which` (after the rows they have), in one call:
+// the matrix is read once for all of them. Returns its milliseconds.
+double Session::head_more(const std::vector<size_t> & which, const std::vector<int> & more) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int n_vocab = tgt.n_vocab();
+    std::vector<float> x, y;
+    for (size_t w = 0; w < which.size(); ++w) {
+        const int i0 = head_ranges[which[w]].lo + head_ranges[which[w]].done;
+        x.insert(x.end(), &hidden[(size_t) i0 * n_embd], &hidden[(size_t) (i0 + more[w]) * n_embd]);
+    }
+    const int m_all = (int) (x.size() / n_embd);
+    y.resize((size_t) m_all * n_vocab);
+    compute_head(x.data(), y.data(), m_all);
+    size_t off = 0;
+    for (size_t w = 0; w < which.size(); ++w) {
+        HeadRange & h = head_ranges[which[w]];
+        std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
+                    (size_t) more[w] * n_vocab * sizeof(float));
+        off += (size_t) more[w] * n_vocab;
+        h.done += more[w];
+    }
+    return ms_since(t0);
 }
 
 // llama.cpp's abort callback on the target context, asked between the graph's nodes: give up a batched step's decode

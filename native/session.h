@@ -279,6 +279,7 @@ private:
 
     const float * target_row(int i);
     void compute_head(const float * x_rows, float * y_rows, int r);
+    double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
     void head_vec_dot(const float * x_rows, float * out, int r, int nth);
     void check_arguments(const ContextOptions & o);
     void create_contexts(const ContextOptions & o, int n_rs_seq);
