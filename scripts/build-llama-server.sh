@@ -16,17 +16,11 @@ if [ -x "$SERVER" ] && [ -x "$OUT/bin/llama-speculative-simple" ] && [ -x "$OUT/
 fi
 mkdir -p "$OUT"
 if [ ! -d "$OUT/src/llama.cpp" ]; then
-    # without build isolation pip reads the sdist's metadata at once, where it would first install a build backend;
-    # a venv of this project (scripts/setup.sh) has scikit-build-core
     PY=${PYTHON:-python3}
     [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || PY=.venv/bin/python
-    flags=(-q --no-deps --no-binary :all:)
-    if "$PY" -c "import scikit_build_core" 2>/dev/null; then
-        flags+=(--no-build-isolation)
-    fi
-    "$PY" -m pip download "${flags[@]}" "llama-cpp-python==0.3.36" -d "$OUT"
+    sdist=$(PYTHON=$PY scripts/fetch-sdist.sh)
     rm -rf "$OUT/src" && mkdir -p "$OUT/src"
-    tar -xzf "$OUT"/llama_cpp_python-0.3.36.tar.gz -C "$OUT/src" llama_cpp_python-0.3.36/vendor/llama.cpp
+    tar -xzf "$sdist" -C "$OUT/src" llama_cpp_python-0.3.36/vendor/llama.cpp
     mv "$OUT/src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$OUT/src/llama.cpp"
     rm -rf "$OUT/src/llama_cpp_python-0.3.36"
 fi

@@ -128,9 +128,9 @@ if [ "$action" = build ]; then
     echo "building llama-cpp-python 0.3.36 from source with CMAKE_ARGS='$LLAMA_CMAKE_ARGS' (about 8 minutes on 2 cores)..."
     # the sdist from the package index, unpacked, with batch_dot.c added to ggml's CPU matmul (native/ggml/README.md)
     src=build/llama-cpp-python-src
+    sdist=$(PYTHON=python scripts/fetch-sdist.sh)
     rm -rf "$src" && mkdir -p "$src"
-    python -m pip download -q --no-deps --no-binary :all: --no-build-isolation "llama-cpp-python==0.3.36" -d "$src"
-    tar -xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src"
+    tar -xzf "$sdist" -C "$src"
     python native/ggml/patch_ggml.py "$src/llama_cpp_python-0.3.36"
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" python -m pip wheel -q --no-deps --no-cache-dir "$src/llama_cpp_python-0.3.36" \
         -w "$wheels"

@@ -77,24 +77,30 @@ def gemma_engine(gemma_target, gemma_drafter):
 
 # -- upstream llama.cpp's converter, the reference for ours ------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # the llama.cpp this project builds on, whose converter is the reference
 
 
+def _sdist() -> Path | None:
+    """The llama-cpp-python sdist scripts/setup.sh keeps (scripts/fetch-sdist.sh downloads it if missing)."""
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "fetch-sdist.sh")], capture_output=True, text=True,
+                         check=False, env={**os.environ, "PYTHON": sys.executable})
+    return Path(run.stdout.strip()) if run.returncode == 0 else None
+
+
 def _llama_cpp_source(cache: Path) -> Path | None:
-    """llama.cpp's source as vendored in llama-cpp-python's sdist: $DFLASH_LLAMA_CPP_SRC, or the sdist fetched
-    with pip once into a cache (only its converter and gguf-py are unpacked)."""
+    """llama.cpp's source as vendored in llama-cpp-python's sdist: $DFLASH_LLAMA_CPP_SRC, or the sdist's converter
+    and gguf-py, unpacked once into a cache."""
     given = os.environ.get("DFLASH_LLAMA_CPP_SRC")
     if given:
         return Path(given)
     src = cache / "llama.cpp"
     if (src / "conversion" / "qwen.py").is_file():
         return src
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                          LLAMA_CPP, "-d", str(cache)], capture_output=True, text=True, check=False)
-    sdists = sorted(cache.glob("llama_cpp_python-0.3.36.tar.gz"))
-    if run.returncode != 0 or not sdists:
+    sdist = _sdist()
+    if sdist is None:
         return None
-    with tarfile.open(sdists[0]) as tar:
+    with tarfile.open(sdist) as tar:
         prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
         members = [m for m in tar.getmembers()
                    if m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")) and m.isfile()]
@@ -102,6 +108,14 @@ def _llama_cpp_source(cache: Path) -> Path | None:
             m.name = m.name[len(prefix):]
         tar.extractall(src, members=members, filter="data")
     return src
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_sdist():
+    sdist = _sdist()
+    if sdist is None:
+        pytest.skip(f"the {LLAMA_CPP} sdist is not available (scripts/fetch-sdist.sh failed: no package index?)")
+    return sdist
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 the real ggml-cpu sources of that sdist get batch_dot.c in their matmul and their build, and a tree it was not
 written for (an anchor changed) or one patched already is refused with one line, nothing written."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,23 +18,21 @@ FILES = ("ggml-cpu.c", "CMakeLists.txt")
 
 
 @pytest.fixture
-def sdist(llama_cpp_src, tmp_path) -> Path:
-    """An sdist-shaped tree holding the two files the patch edits, from llama-cpp-python 0.3.36's llama.cpp."""
+def sdist(tmp_path, request) -> Path:
+    """An sdist-shaped tree holding the two files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
+    source tree given in $DFLASH_LLAMA_CPP_SRC, or the sdist itself."""
     root = tmp_path / "llama_cpp_python-0.3.36"
     cpu = root / CPU
     cpu.mkdir(parents=True)
-    given = llama_cpp_src / "ggml" / "src" / "ggml-cpu"
-    tarball = llama_cpp_src.parent / "llama_cpp_python-0.3.36.tar.gz"
+    given = Path(os.environ.get("DFLASH_LLAMA_CPP_SRC", "/nonexistent")) / "ggml" / "src" / "ggml-cpu"
     if (given / "ggml-cpu.c").is_file():
         for name in FILES:
             shutil.copyfile(given / name, cpu / name)
-    elif tarball.is_file():
-        with tarfile.open(tarball) as tar:
+    else:
+        with tarfile.open(request.getfixturevalue("llama_cpp_sdist")) as tar:
             for name in FILES:
                 data = tar.extractfile(f"llama_cpp_python-0.3.36/{CPU}/{name}")
                 (cpu / name).write_bytes(data.read())
-    else:
-        pytest.skip(f"neither {given} nor {tarball} is there")
     return root
 
 
