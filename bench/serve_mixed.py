@@ -1,13 +1,13 @@
 """16 clients at once against `dflash-local serve -np 4`, with mixed requests, and what is left afterwards.
 
-    python bench/serve_mixed.py -d drafter.gguf [-m target.gguf] [--clients 16] [-np 4]
+    python bench/serve_mixed.py -d drafter.gguf [-m target.gguf] [--clients 16] [-np 4] [--rounds 1]
 
 Starts the real server (a subprocess on 127.0.0.1), warms it with one request, reads its resident memory, then sends
 --clients chat requests at once: lengths from 16 to 256 tokens, stop strings, JSON-schema answers, streamed and not,
 and a quarter of the streams dropped by their client after the first chunk. Each completed request is then sent again
-alone, and its output compared with the one it got beside the others. Prints one Markdown table: completed, cancelled,
-server errors, outputs identical to their single-request run, the slots all idle again, and the resident memory
-before and after.
+alone, and its output compared with the one it got beside the others. Prints a Markdown table, one line per round
+(--rounds: the same mix again on the same server): completed, cancelled, server errors, outputs identical to their
+single-request run, the slots all idle again, and the resident memory before the round and once it is over.
 """
 
 from __future__ import annotations
@@ -66,12 +66,33 @@ def send(url: str, b: dict, drop: bool) -> tuple[int, str | None]:
     return r.status_code, text
 
 
+def run_round(url: str, clients: int, rss) -> dict:
+    """The mix once, each completed request again alone, and the server's memory once its slots are idle."""
+    before = rss()
+    bodies = [body(i) for i in range(clients)]
+    drops = [b.get("stream", False) and i % 4 == 0 for i, b in enumerate(bodies)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda i: send(url, bodies[i], drops[i]), range(clients)))
+    wall = time.perf_counter() - t0
+    end = time.time() + 60
+    while any(s["is_processing"] for s in httpx.get(url + "/slots").json()) and time.time() < end:
+        time.sleep(0.1)
+    idle = not any(s["is_processing"] for s in httpx.get(url + "/slots").json())
+    after = rss()
+    completed = [i for i, (status, text) in enumerate(results) if status == 200 and text is not None]
+    same = sum(send(url, bodies[i] | {"stream": False}, False)[1] == results[i][1] for i in completed)
+    return {"wall": wall, "completed": len(completed), "cancelled": sum(drops), "idle": idle, "same": same,
+            "errors": sum(status >= 500 for status, _ in results), "before": before, "after": after}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m)")
     p.add_argument("-d", "--draft", required=True, help="drafter GGUF")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("-np", "--parallel", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1, help="the same mix again, to see whether memory keeps growing")
     args = p.parse_args(argv)
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_local", "serve", "-np", str(args.parallel), "-d", os.path.abspath(args.draft),
@@ -90,30 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the server exited with code {proc.returncode}")
             time.sleep(0.2)
         send(url, body(3), False)  # weights paged in, buffers allocated
-        before = rss_mib(proc.pid)
-        bodies = [body(i) for i in range(args.clients)]
-        drops = [b.get("stream", False) and i % 4 == 0 for i, b in enumerate(bodies)]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            results = list(pool.map(lambda i: send(url, bodies[i], drops[i]), range(args.clients)))
-        wall = time.perf_counter() - t0
-        end = time.time() + 60
-        while any(s["is_processing"] for s in httpx.get(url + "/slots").json()) and time.time() < end:
-            time.sleep(0.1)
-        idle = not any(s["is_processing"] for s in httpx.get(url + "/slots").json())
-        after = rss_mib(proc.pid)
-        completed = [i for i, (status, text) in enumerate(results) if status == 200 and text is not None]
-        same = sum(send(url, bodies[i] | {"stream": False}, False)[1] == results[i][1] for i in completed)
-        errors = sum(status >= 500 for status, _ in results)
+        rows = [run_round(url, args.clients, lambda: rss_mib(proc.pid)) for _ in range(args.rounds)]
     finally:
         proc.terminate()
         proc.wait(10)
-    print("| clients | slots | seconds | completed | cancelled | 5xx | identical to alone | slots idle after | "
+    print("| round | clients | slots | seconds | completed | cancelled | 5xx | identical to alone | slots idle after | "
           "memory before, after (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.clients} | {args.parallel} | {wall:.1f} | {len(completed)} | {sum(drops)} | {errors} | "
-          f"{same} of {len(completed)} | {idle} | {before:.0f}, {after:.0f} |")
-    return 0 if errors == 0 and same == len(completed) and idle else 1
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows, 1):
+        print(f"| {i} | {args.clients} | {args.parallel} | {r['wall']:.1f} | {r['completed']} | {r['cancelled']} | "
+              f"{r['errors']} | {r['same']} of {r['completed']} | {r['idle']} | {r['before']:.0f}, {r['after']:.0f} |")
+    return 0 if all(r["errors"] == 0 and r["same"] == r["completed"] and r["idle"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -142,20 +142,21 @@ typedef __m256i (*unpack_fn)(const void *);
 static inline __attribute__((always_inline)) void tile_q0(unpack_fn unpack, const int WR, const int PR, size_t wsize,
                                                           int nb, const char * w, size_t w_stride, const q8_0_pair * yp,
                                                           int p0, float * dst, size_t dst_stride, int i0, int ny) {
-    __m512 acc[4][4];
+    __m512 acc[2][4];
     for (int r = 0; r < WR; ++r) {
         for (int p = 0; p < PR; ++p) {
             acc[r][p] = _mm512_setzero_ps();
         }
     }
     for (int b = 0; b < nb; ++b) {
-        __m512i wu[4];
-        __m512 wd[4];
+        __m512i wu[2];
+        __m512 wd[2];
         for (int r = 0; r < WR; ++r) {
             const char * wb = w + (i0 + r) * w_stride + b * wsize;
             // the tile reads WR rows side by side, which the hardware prefetchers follow poorly: on gemma-3-270m's
-            // LM head (262k x 640 q8_0, one thread) 8 blocks ahead took 2 rows from 30 to 17 ms, 4 rows from 35 to
-            // 23 (4 or 16 blocks ahead: no gain). A hint only: every element's bits are as before.
+            // LM head (262k x 640 q8_0, one thread, 4 rows a tile then) 8 blocks ahead took 2 activation rows from 30
+            // to 17 ms, 4 rows from 35 to 23 (4 or 16 blocks ahead: no gain). A hint only: every element's bits are
+            // as before.
             _mm_prefetch(wb + 8 * wsize, _MM_HINT_T0);
             wu[r] = _mm512_broadcast_i64x4(unpack(wb));
             wd[r] = _mm512_set1_ps(f16(*(const uint16_t *) wb));
@@ -186,15 +187,17 @@ static inline __attribute__((always_inline)) bool dot_q0(unpack_fn unpack, int o
         return false;
     }
     const int np = (ny + 1) / 2;
+    // 2 weight rows a tile: on gemma's LM head shape (one thread) 2..16 activation rows took 0.6-0.85x the time of 4
+    // weight rows a tile, which keep more registers busy but read 4 streams of weights (1 and 3 rows: between them)
     for (int p0 = 0; p0 < np; p0 += 4) {
         const int pr = np - p0 < 4 ? np - p0 : 4;
         int i = 0;
-        for (; i + 4 <= nw; i += 4) {
+        for (; i + 2 <= nw; i += 2) {
             switch (pr) {  // constant tile shapes, so that the accumulators stay in registers
-                case 4: tile_q0(unpack, 4, 4, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
-                case 3: tile_q0(unpack, 4, 3, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
-                case 2: tile_q0(unpack, 4, 2, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
-                default: tile_q0(unpack, 4, 1, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 4: tile_q0(unpack, 2, 4, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 3: tile_q0(unpack, 2, 3, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                case 2: tile_q0(unpack, 2, 2, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
+                default: tile_q0(unpack, 2, 1, wsize, nb, w, w_stride, yp, p0, dst, dst_stride, i, ny); break;
             }
         }
         for (; i < nw; ++i) {
