@@ -346,7 +346,10 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             // only the first decode: after it, slots have accepted tokens and moved their samplers on
             interruptible = may_interrupt && g0 == group.size();
             t_interruptible = t0;
-            interrupt_within_ms = step_ms_per_row > 0.0 ? 0.5 * step_ms_per_row * n : 1e30;
+            // asked before the decode began: giving it up costs only the time to llama.cpp's first check, however
+            // late a busy machine makes that
+            const bool asked = interrupt_wanted.load(std::memory_order_relaxed);
+            interrupt_within_ms = step_ms_per_row > 0.0 && !asked ? 0.5 * step_ms_per_row * n : 1e30;
             run_target(n, n, true);
             interruptible = false;
             step_ms_per_row = ms_since(t0) / n;
