@@ -23,7 +23,10 @@ def test_the_lookup_drafts_what_followed_the_latest_earlier_match():
     assert d.draft(tokens, 8) == [7, 1, 2]  # the newest earlier match wins: the table grew with the tokens
     assert d.draft(tokens, 0) == []
     assert NgramDrafter(NgramSpec(size_n=4)).draft([1, 2, 3], 8) == []  # shorter than n
-    assert NgramDrafter(NgramSpec(size_n=1)).draft([5, 5], 8) == [5]
+    # a match whose continuation reaches the newest token: a loop, drafted on for as long as asked
+    assert NgramDrafter(NgramSpec(size_n=1)).draft([5, 5], 8) == [5] * 8
+    assert NgramDrafter(NgramSpec(size_n=2, size_m=7)).draft([9, 1, 2, 3, 1, 2, 3, 1, 2], 8) == [3, 1, 2, 3, 1, 2, 3]
+    assert NgramDrafter(NgramSpec(size_n=2)).draft([9, 1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     with pytest.raises(ValueError, match="at least 1"):
         NgramSpec(size_n=0)
 

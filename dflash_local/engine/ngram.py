@@ -35,7 +35,8 @@ class NgramDrafter(Drafter):
         self.indexed = 0  # n-grams ending before this position are in the table
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
-        """Up to min(k, m) tokens that followed the most recent earlier occurrence of tokens' last n tokens."""
+        """Up to min(k, m) tokens that followed the most recent earlier occurrence of tokens' last n tokens, the
+        loop they make continued where they reach the newest token."""
         n, end = self.n, len(tokens) - 1
         # index the n-grams that end before the newest token: each has a next token to draft
         for e in range(max(self.indexed, n - 1), end):
@@ -44,4 +45,12 @@ class NgramDrafter(Drafter):
         if end < n - 1 or k < 1:
             return []
         e = self.last_end.get(tuple(tokens[end - n + 1 :]))
-        return [] if e is None else tokens[e + 1 : e + 1 + min(k, self.m)]
+        if e is None:
+            return []
+        want = min(k, self.m)
+        out = tokens[e + 1 : e + 1 + want]
+        # a continuation that runs into the context's end is a loop of end - e tokens: it goes on (upstream's
+        # ngram-simple stops there, so a model repeating one token would be drafted one token a step)
+        while len(out) < want:
+            out.append(out[len(out) - (end - e)])
+        return out
