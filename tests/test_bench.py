@@ -136,14 +136,19 @@ def test_serve_chat_script_sends_from_several_clients_at_once(tiny_target, tiny_
 
 
 def test_serve_mixed_script_checks_sixteen_mixed_clients(tiny_target, tiny_drafter, capsys):
-    """bench/serve_mixed.py against the real server with 2 slots: 8 mixed clients (two drop their streams), every
-    completed output equal to the same request sent alone, no 5xx, the slots idle again, the memory read."""
+    """bench/serve_mixed.py against the real server with 2 slots, twice: 8 mixed clients (two drop their streams),
+    every completed output equal to the same request sent alone, no 5xx, the slots idle again, the memory read before
+    and after each round."""
     path = Path(__file__).parents[1] / "bench" / "serve_mixed.py"
     spec = importlib.util.spec_from_file_location("serve_mixed", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["-m", str(tiny_target), "-d", str(tiny_drafter), "--clients", "8", "-np", "2"]) == 0
-    row = [x.strip() for x in capsys.readouterr().out.splitlines()[2].split("|")[1:-1]]
-    assert row[:2] == ["8", "2"] and row[3:7] == ["6", "2", "0", "6 of 6"] and row[7] == "True"
-    before, after = (float(x) for x in row[8].split(","))
-    assert before > 0 and after > 0
+    argv = ["-m", str(tiny_target), "-d", str(tiny_drafter), "--clients", "8", "-np", "2", "--rounds", "2"]
+    assert script.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    for i, line in enumerate(lines[2:], 1):
+        row = [x.strip() for x in line.split("|")[1:-1]]
+        assert row[:3] == [str(i), "8", "2"] and row[4:8] == ["6", "2", "0", "6 of 6"] and row[8] == "True"
+        before, after = (float(x) for x in row[9].split(","))
+        assert before > 0 and after > 0
