@@ -30,8 +30,9 @@ class NgramMod:
         self.n, self.n_min, self.n_max = n, n_min, n_max
         self.table: dict[tuple[int, ...], int] = {}
 
-    def add(self, tokens: list[int]) -> None:
-        for i in range(len(tokens) - self.n):
+    def add(self, tokens: list[int], start: int = 0) -> None:
+        """The contexts of tokens that begin at start or later, with their next token."""
+        for i in range(start, len(tokens) - self.n):
             self.table[tuple(tokens[i : i + self.n])] = tokens[i + self.n]
 
     def draft(self, tokens: list[int]) -> list[int]:
@@ -48,11 +49,13 @@ def replay(runs: list[tuple[list[int], list[int]]], rule: str, t1: float, row_ms
     ms = steps = drafted = accepted = tokens = 0
     for prompt, out in runs:
         lookup = NgramDrafter(NgramSpec())
+        added = 0  # the table has this generation's contexts that begin before this
         t = 1  # the first token comes with the prompt
         while t < len(out):
             ctx = prompt + out[:t]
             if rule == "ngram-mod":
-                mod.add(ctx)
+                mod.add(ctx, added)
+                added = max(added, len(ctx) - mod.n)
                 d = mod.draft(ctx)
             else:
                 d = lookup.draft(ctx, 48)
@@ -62,7 +65,7 @@ def replay(runs: list[tuple[list[int], list[int]]], rule: str, t1: float, row_ms
                 a += 1
             ms += t1 + len(d) * row_ms
             steps, drafted, accepted, tokens, t = steps + 1, drafted + len(d), accepted + a, tokens + a + 1, t + a + 1
-        mod.add(prompt + out)
+        mod.add(prompt + out, added)
     return {"tokens_per_second": 1000 * tokens / ms, "steps": steps, "drafted": drafted, "accepted": accepted}
 
 

@@ -184,7 +184,8 @@ private:
     llama_context * ctx_tgt = nullptr;
     llama_context * ctx_dft = nullptr;
     // interrupt(): a batched step's decode gives up if it is in its first half (by the last one's time per row) or
-    // was asked before it began, once per request, so that a new request's prompt need not wait for the whole step (step_batch)
+    // was asked before it began, once per request, so that a new request's prompt need not wait for the whole step
+    // (step_batch)
     std::atomic<bool> interrupt_wanted{false};
     bool interruptible = false;  // the decode running now is a batched step's that may be given up
     std::chrono::steady_clock::time_point t_interruptible;

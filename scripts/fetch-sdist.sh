@@ -13,10 +13,9 @@ if [ ! -f "$SDIST" ]; then
     if "$PY" -c "import scikit_build_core" 2>/dev/null; then
         flags+=(--no-build-isolation)
     fi
-    mkdir -p build
+    mkdir -p build/sdist
     part=$(mktemp -d build/sdist.XXXXXX)
     "$PY" -m pip download "${flags[@]}" "llama-cpp-python==0.3.36" -d "$part" >&2
-    mkdir -p build/sdist
     mv "$part/llama_cpp_python-0.3.36.tar.gz" "$SDIST"  # whole or not at all
     rm -rf "$part"
 fi
