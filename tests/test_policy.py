@@ -5,7 +5,7 @@ from scripted import CPU, ScriptedDrafter, SteadyCosts
 
 from dflash_local import Engine, StepStats
 from dflash_local.convert.init_drafter import init_drafter
-from dflash_local.engine.policy import DraftPolicy
+from dflash_local.engine.policy import BatchCosts, DraftPolicy
 
 
 def trained(acceptance: float, verify: dict[int, float], draft: dict[int, float], n: int = 7) -> DraftPolicy:
@@ -138,6 +138,35 @@ def test_tiny_or_extrapolated_costs_never_divide_by_zero():
     p = trained(0.5, {2: 1.0, 4: 5.0}, {1: 0.0, 3: 0.0}, n=3)  # the line through them is below zero at k = 1
     p.update(3, 3, 5.0, 0.0)
     assert 0 <= p.choose() <= 3
+
+
+def test_in_a_shared_decode_a_row_is_priced_at_what_it_adds():
+    """With other slots' rows in its decode (serve -np N), a slot's draft costs what its rows add to the batch, and
+    the batch's tokens are what a step makes: drafts that pay alone may not pay there, and the other way round."""
+    p = trained(0.8, CPU, DRAFT)
+    alone = p.choose()
+    assert 0 < alone < 7  # alone, a CPU step's fixed cost makes a few drafts worth their rows
+    p.batch = BatchCosts({4: 26.0, 8: 52.0, 12: 78.0})  # a CPU past a few rows: every row as dear as a plain one
+    p.beside = (3, 3.0)  # three other slots' plain rows in its last decode
+    assert p.choose() == 0
+    p.batch = BatchCosts({4: 10.4, 8: 10.8, 12: 11.2})  # a GPU: a batch costs little more than one row
+    assert p.choose() == 7
+    p.beside = (0, 0.0)  # alone again: its own costs
+    assert p.choose() == alone
+
+
+def test_a_step_in_a_shared_decode_is_judged_on_the_batchs_costs():
+    costs = BatchCosts({4: 10.4, 8: 10.8, 12: 11.2})
+    p = DraftPolicy(7, batch=costs)
+    p.update(0, 0, 2.6, 0.0, beside=(3, 3.0))  # a plain step: its share of a batch is not what it costs alone
+    assert p.verify_ms == {} and p.beside == (3, 3.0)
+    p.update(4, 4, 5.4, 2.0, beside=(3, 3.0))  # 5 tokens for what 4 rows add to a batch: it paid off
+    assert p.verify_ms == {} and p.paid_off and p.choose() == 7  # all accepted: twice as far
+    p.batch = BatchCosts({4: 26.0, 8: 52.0, 12: 78.0})
+    p.update(4, 2, 52 * 5 / 8, 2.0, beside=(3, 3.0))
+    assert not p.paid_off and p.choose() == 0
+    p.update(0, 0, 13.0, 0.0)  # alone: its own costs again
+    assert p.verify_ms == {1: 13.0} and p.beside == (0, 0.0)
 
 
 def test_fixed_mode_always_drafts_the_block():

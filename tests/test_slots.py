@@ -123,6 +123,30 @@ def test_each_slot_gives_the_output_of_its_request_run_alone(pair, engine_kw, re
             assert kinds == ({"checkpoint", "snapshot"} if engine_kw else {"snapshot"})
 
 
+def test_slots_price_their_rows_at_what_they_add_to_a_shared_decode(tiny_target, tiny_drafter):
+    """The adaptive policy with several slots: every batched decode is recorded whole (Engine.batch_costs, by rows),
+    each slot's policy knows the other slots' rows and tokens in its last decode (policy.py), and outputs are as ever
+    those of plain decoding."""
+    jobs = dict(enumerate(REQUESTS[i] for i in (0, 2, 4)))  # the drafting ones
+    single = Engine(tiny_target, tiny_drafter, n_ctx=512)
+    want = {k: single.complete(**kw | {"draft": False}).token_ids for k, kw in jobs.items()}
+    multi = Engine(tiny_target, tiny_drafter, n_ctx=512, n_slots=3)
+    got = interleave(multi, jobs)
+    assert {k: done.token_ids for k, (done, _) in got.items()} == want
+    costs = multi.batch_costs.verify_ms
+    # two or three slots' rows: at least a row each, at most a block each
+    assert costs and min(costs) >= 2 and max(costs) <= 3 * (multi.max_draft + 1)
+    assert all(ms > 0 for ms in costs.values())
+    policies = [sl.policies["drafter"] for sl in multi.slots]
+    assert all(p.batch is multi.batch_costs for p in policies)
+    # the slot that ended first had others in every decode it took part in, its last one included
+    first = min(got, key=lambda k: len(got[k][1]))
+    rows, tokens = multi.slots[first].beside
+    assert rows >= 1 and tokens >= 1 and policies[first].beside == (rows, tokens)
+    single.complete(**jobs[0])  # an engine with one slot never shares a decode
+    assert single.batch_costs.verify_ms == {} and single.slots[0].beside == (0, 0.0)
+
+
 def test_a_slot_keeps_its_own_prompt_cache(tiny_target, tiny_drafter):
     e = alone(tiny_target, tiny_drafter, n_slots=2)
     interleave(e, {0: dict(prompt="The quick brown fox", max_tokens=12),

@@ -19,7 +19,7 @@ from .grammar import grammar_of
 from ..gguf_file import GGUFInfo, read_gguf
 from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
-from .policy import DraftPolicy
+from .policy import BatchCosts, DraftPolicy
 from .prompt_cache import PromptCache
 from .sampling import ParamError, SamplingParams
 from .stats import StatsTracker, StepStats, Summary
@@ -120,6 +120,7 @@ class Slot:
     cache: PromptCache
     policies: dict[str, DraftPolicy]  # per drafter ("drafter", "ngram"): acceptance and costs
     busy: threading.Lock
+    beside: tuple[int, float] = (0, 0.0)  # the other slots' rows and tokens in the decode of its last step
 
 
 def _check_spec_sampling(mode: str) -> None:
@@ -282,6 +283,7 @@ class Engine:
         self.spec_sampling = spec_sampling
         self.ngram = ngram
         self.slots = [Slot(i, PromptCache(i), {}, threading.Lock()) for i in range(n_slots)]
+        self.batch_costs = BatchCosts()  # what a decode of several slots' steps costs, for their policies
         # the native session serves one call at a time: slots running in several threads take turns, a step each
         self._native = threading.Lock()
 
@@ -588,11 +590,23 @@ class Engine:
         recurrent one, not a padded session), else one after another. Each slot's result is the one its step alone
         gives. Returns the native StepResults, in the order of the requests."""
         s = self.session
+        shared = len(requests) > 1 and not s.recurrent and not s.pads_rows
         with self._native:
-            if len(requests) > 1 and not s.recurrent and not s.pads_rows:
-                return s.step_batch([(q.slot, q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows)
-                                     for q in requests])
-            return [s.step(q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows, q.slot) for q in requests]
+            if shared:
+                results = s.step_batch([(q.slot, q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows)
+                                        for q in requests])
+            else:
+                results = [s.step(q.last, q.draft, q.sampler, q.index, q.rejection, q.head_rows, q.slot)
+                           for q in requests]
+        # the policies price a slot's rows at what they add to a shared decode (policy.py): record the decode whole
+        # (each slot's verify_ms is its share, with its own LM head rows) and, per slot, what the others put in it
+        rows = [len(r.draft) + 1 for r in results]
+        made = [r.n_accepted + 1 for r in results]
+        if shared:
+            self.batch_costs.record(sum(rows), sum(r.verify_ms - r.head_ms for r in results))
+        for q, k, m in zip(requests, rows, made):
+            self.slots[q.slot].beside = (sum(rows) - k, float(sum(made) - m)) if shared else (0, 0.0)
+        return results
 
     def draft_many(self, requests: list[DraftRequest]) -> list[tuple[list[int], list[float] | None, float]]:
         """Draft for several slots with the engine's llama.cpp drafter, the drafts of one length in one drafter decode
@@ -708,9 +722,10 @@ class Engine:
                 for _, p in chain:
                     if p is owner:
                         p.update(stats.n_drafted, stats.n_accepted, verify_ms, stats.draft_ms, r.sample_ms, ratings,
-                                 head_ms=r.head_ms, head_rows=r.head_rows)
+                                 head_ms=r.head_ms, head_rows=r.head_rows, beside=sl.beside)
                     else:
-                        p.observe(stats.n_drafted, stats.n_accepted, verify_ms, r.sample_ms, r.head_ms, r.head_rows)
+                        p.observe(stats.n_drafted, stats.n_accepted, verify_ms, r.sample_ms, r.head_ms, r.head_rows,
+                                  sl.beside)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -806,7 +821,7 @@ class Engine:
             return DraftPolicy(max_draft, adaptive=False)
         p = sl.policies.get(name)
         if p is None or p.max_draft != max_draft:
-            p = sl.policies[name] = DraftPolicy(max_draft)
+            p = sl.policies[name] = DraftPolicy(max_draft, batch=self.batch_costs)
         p.new_text()
         return p
 

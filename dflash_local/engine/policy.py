@@ -31,6 +31,13 @@ it, per tenth of c, starting from c itself), and the prefix of m tokens that pro
 millisecond of this step, E(m) / (T(m + 1) + D + S E(m)) with the drafting time D already spent, is verified. A cut
 only shortens what is verified, so the output stays what the target decodes. Probes verify whole blocks, so the
 calibration keeps learning at low ratings too.
+
+With several slots (`serve -np N`) a slot's step is one part of a target decode that carries the other slots' rows
+(Engine.step_many). There T(n + 1) above is the whole batch's: what R rows cost, measured over every batched decode
+(BatchCosts, shared by the slots), at R = the other slots' rows in this slot's last step plus its own n + 1, and the
+tokens the others made in that step count with E(n). A draft row is so priced at what it adds to the batch: little
+where a batch of R rows costs little more than one (GPUs), a full row where each row costs the same (a CPU past a few
+rows), not at its share of the batch.
 """
 
 from __future__ import annotations
@@ -45,6 +52,25 @@ MARGIN = 1.1  # drafting must promise 10% more tokens per millisecond than plain
 BINS = 10  # a drafter's ratings are calibrated per tenth
 PRIOR = 2.0  # an unseen tenth trusts the drafter's rating as much as two observations
 PROBE_REACH = 0.1  # a probe drafts as far as the chance of reaching the draft stays above this
+
+
+def _median_of_recent(samples: dict, key, value: float) -> float:
+    """Median of the last 15 timings per key: one slow step (another process, a page fault) moves nothing."""
+    recent = samples.setdefault(key, deque(maxlen=15))
+    recent.append(value)
+    return statistics.median(recent)
+
+
+@dataclass
+class BatchCosts:
+    """What a target decode of several slots' steps costs by its rows, whoever's they are: one per engine, recorded
+    by Engine.step_many, read by every slot's policy."""
+
+    verify_ms: dict[int, float] = field(default_factory=dict)  # rows -> median of recent batched decodes
+    samples: dict[int, deque] = field(default_factory=dict)
+
+    def record(self, rows: int, ms: float) -> None:
+        self.verify_ms[rows] = _median_of_recent(self.samples, rows, ms)
 
 
 @dataclass
@@ -68,6 +94,8 @@ class DraftPolicy:
     probing: bool = False  # the last choice was a probe: verify the whole block, whatever the drafter's ratings
     rated_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)  # decayed counts per tenth of rating
     rated_tried: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    batch: BatchCosts | None = None  # the engine's, where slots share target decodes
+    beside: tuple[int, float] = (0, 0.0)  # the other slots' rows and tokens in the decode of this slot's last step
 
     def __post_init__(self):
         self.interval = self.probe_every
@@ -94,10 +122,6 @@ class DraftPolicy:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
         return lambda k: table[k] if k in table else max(my + slope * (k - mx), 0.0)  # more tokens never cost less
-
-    @classmethod
-    def _estimate(cls, table: dict[int, float], k: int) -> float | None:
-        return cls._fit(table)(k)
 
     @staticmethod
     def _expected(acceptance):
@@ -128,7 +152,8 @@ class DraftPolicy:
         self.probing = False
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
-        plain = self._estimate(self.verify_ms, 1)
+        verify, beside = self._verify()
+        plain = verify(1)
         if plain is None:
             self.probing = True
             return self.max_draft
@@ -137,8 +162,8 @@ class DraftPolicy:
             return self._probe_length()
         if self.paid_off and self.all_accepted:
             return min(2 * self.last_drafted, self.max_draft)  # reach further while it pays (the estimates catch up)
-        verify, draft = self._fit(self.verify_ms), self._fit(self.draft_ms)
-        best, best_rate = 0, 1.0 / max(plain + self.sample_ms, 1e-6)
+        draft = self._fit(self.draft_ms)
+        best, best_rate = 0, (beside + 1.0) / max(plain + self.sample_ms, 1e-6)
         expected = self._expected(self.acceptance())
         next(expected)  # no draft: plain decoding's rate, above
         for n, e in enumerate(expected, 1):
@@ -146,10 +171,20 @@ class DraftPolicy:
             if d is None:
                 self.probing = True
                 return self.max_draft  # never drafted: try the full block once
-            rate = e / max(t + d + self._per_token(e), 1e-6)
+            rate = (beside + e) / max(t + d + self._per_token(e), 1e-6)
             if rate > best_rate * (MARGIN if best == 0 else 1.0):
                 best, best_rate = n, rate
         return best
+
+    def _verify(self):
+        """verify(k), what a step verifying k rows of this slot costs (None if unknown), and the tokens that other
+        slots' rows make in it: the slot's own T(k) when its last step ran alone, else the batch's T(R + k), R
+        being the other slots' rows in its last step (the module docstring)."""
+        rows, tokens = self.beside
+        if rows and self.batch is not None and self.batch.verify_ms:
+            batch = self._fit(self.batch.verify_ms)
+            return (lambda k: batch(rows + k)), tokens
+        return self._fit(self.verify_ms), 0.0
 
     def _per_token(self, e: float) -> float:
         """What making e tokens costs beyond T and D: sampling a row each, and the LM head of every row after the
@@ -184,47 +219,53 @@ class DraftPolicy:
         """How many tokens of a drafted block to verify, given the drafter's rating of each (see the module
         docstring); all of them when the policy is fixed, probing, or has no verify timings yet."""
         n = len(ratings)
-        if not self.adaptive or self.probing or not self.verify_ms:
+        verify, beside = self._verify()
+        if not self.adaptive or self.probing or verify(1) is None:
             return n
-        verify = self._fit(self.verify_ms)
         best, best_rate = 0, -1.0
         for m, e in enumerate(self._expected(self.calibrated(r) for r in ratings)):
-            rate = e / max(verify(m + 1) + draft_ms + self._per_token(e), 1e-6)
+            rate = (beside + e) / max(verify(m + 1) + draft_ms + self._per_token(e), 1e-6)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
 
     def observe(
         self, n_drafted: int, n_accepted: int, verify_ms: float, sample_ms: float = 0.0, head_ms: float = 0.0,
-        head_rows: int = 0,
+        head_rows: int = 0, beside: tuple[int, float] = (0, 0.0),
     ) -> None:
         """Another proposer's step (the n-gram lookup's, ngram.py): its timings count, since a verify costs the same
         whoever drafted, its acceptance does not. verify_ms: its target time, head_ms of it for the head_rows rows
         whose LM head was computed on demand; sample_ms: its time sampling the n_accepted + 1 rows it took tokens
-        from."""
+        from; beside: the other slots' rows and tokens in its decode (its verify_ms then a share of that decode,
+        which the engine's BatchCosts hold whole)."""
         self.steps_since_draft += 1
+        self.beside = beside
         if head_rows:
             per_row = head_ms / head_rows
             self.head_ms = self._record("head", 1, per_row)
             verify_ms -= head_ms - per_row  # T holds one row's head, as a plain step's
-        self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
+        if not beside[0]:
+            self.verify_ms[n_drafted + 1] = self._record("verify", n_drafted + 1, verify_ms)
         self.sample_ms = self._record("sample", 1, sample_ms / (n_accepted + 1))
 
     def update(
         self, n_drafted: int, n_accepted: int, verify_ms: float, draft_ms: float, sample_ms: float = 0.0,
         ratings: list[float] | None = None, head_ms: float = 0.0, head_rows: int = 0,
+        beside: tuple[int, float] = (0, 0.0),
     ) -> None:
         """This proposer's step (or a plain one): its timings as observe() takes them, draft_ms, and its acceptance;
         ratings: the drafter's rating of each verified draft, if it gives them."""
-        self.observe(n_drafted, n_accepted, verify_ms, sample_ms, head_ms, head_rows)
+        self.observe(n_drafted, n_accepted, verify_ms, sample_ms, head_ms, head_rows, beside)
         if n_drafted:
             self.steps_since_draft = 0
             self.draft_ms[n_drafted] = self._record("draft", n_drafted, draft_ms)
             # judged on the running medians, not on this one step's timing
-            plain = self._estimate(self.verify_ms, 1)
+            verify, others = self._verify()
+            plain, verified = verify(1), verify(n_drafted + 1)
             made = n_accepted + 1
-            cost = self.verify_ms[n_drafted + 1] + self.draft_ms[n_drafted] + self._per_token(made)
-            self.paid_off = plain is not None and made / max(cost, 1e-6) > MARGIN / max(plain + self.sample_ms, 1e-6)
+            self.paid_off = plain is not None and verified is not None and (
+                (others + made) / max(verified + self.draft_ms[n_drafted] + self._per_token(made), 1e-6)
+                > MARGIN * (others + 1) / max(plain + self.sample_ms, 1e-6))
             self.last_drafted, self.all_accepted = n_drafted, n_accepted == n_drafted
             # a short probe whose drafts were all accepted cannot show what a longer draft would make: try one
             self.paid_off |= self.probing and self.all_accepted
@@ -239,7 +280,4 @@ class DraftPolicy:
                 self.rated_accepted[b] = self.rated_accepted[b] * DECAY + (k < n_accepted)
 
     def _record(self, kind: str, k: int, value: float) -> float:
-        """Median of the last 15 timings per size: one slow step (another process, a page fault) moves nothing."""
-        recent = self.samples.setdefault((kind, k), deque(maxlen=15))
-        recent.append(value)
-        return statistics.median(recent)
+        return _median_of_recent(self.samples, (kind, k), value)
