@@ -10,6 +10,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -26,6 +30,13 @@ PYBIND11_MODULE(_native, m) {
     // already set by the user is kept.
     setenv("GGML_CPU_TILED_MM", "0", 0);
     llama_backend_init();
+#if defined(__GLIBC__)
+    // glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB); buffers of a megabyte
+    // and more (a row of logits of a big vocabulary, a sampler's candidates) then come from the heap, where a burst
+    // of parallel slots leaves them scattered and Session::trim cannot give them back. A fixed threshold keeps them
+    // in mappings of their own, returned when freed.
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
+#endif
 
     py::register_exception<NativeError>(m, "NativeError", PyExc_RuntimeError);
     py::register_exception<Interrupted>(m, "Interrupted", PyExc_RuntimeError);
@@ -275,6 +286,9 @@ PYBIND11_MODULE(_native, m) {
              }, py::arg("steps"), py::call_guard<py::gil_scoped_release>(),
              "Several slots' steps in one target decode: (slot, last, draft, sampler, index, rejection, head_rows) "
              "each; their StepResults in the same order.")
+        .def("trim", &Session::trim, py::call_guard<py::gil_scoped_release>(),
+             "Give the memory of the per-decode buffers back (the server calls it when idle); generating goes on as "
+             "before.")
         .def("interrupt", &Session::interrupt, py::arg("on") = true,
              "Ask the batched step in flight (another thread's step_batch) to give up its decode if it has only "
              "begun: it raises Interrupted with every slot as before it. False withdraws the request.")

@@ -4,6 +4,13 @@
 #include "session.h"
 
 #include <ggml-cpu.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -228,6 +235,7 @@ std::vector<Draft> Session::draft_batch(const std::vector<std::tuple<int, llama_
                 }
             }
             process(ctx_dft, batch_dft, "drafter decode");
+            max_out_dft = std::max(max_out_dft, (int) group.size() * (n + first));
             const int n_vocab = tgt.n_vocab();
             for (size_t j = 0; j < group.size(); ++j) {
                 for (int i = 0; i < n; ++i) {
@@ -545,6 +553,50 @@ std::vector<int> Session::ubatch_order(const std::vector<int> & seq, int n_ubatc
 }
 
 // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
+#if defined(__linux__)
+// Hand the whole pages of [p, p + bytes) back to the system: private anonymous memory reads as zeros after it, and
+// every buffer given here is written before it is read again.
+static void release_pages(const void * p, size_t bytes) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = ((uintptr_t) p + page - 1) & ~(page - 1);
+    const uintptr_t hi = ((uintptr_t) p + bytes) & ~(page - 1);
+    if (p && hi > lo) {
+        madvise((void *) lo, hi - lo, MADV_DONTNEED);
+    }
+}
+#endif
+
+// Between requests nothing in the per-decode buffers is needed: give their memory back. A burst of parallel slots
+// grows them to its largest batch (a megabyte of logits per row for a 262k vocabulary), and llama.cpp keeps its
+// own at their largest (its output buffer only grows, output_reserve; the compute buffer is touched as far as the
+// largest graph reached). Only for contexts wholly on the CPU, whose buffers are plain host memory.
+void Session::trim() {
+    LogScope log(verbose);
+    for (std::vector<float> * v : {&hidden, &head_logits, &feats, &cb_rows, &draft_rows, &lattice_rows}) {
+        std::vector<float>().swap(*v);
+    }
+    std::vector<char>().swap(head_q);
+    n_out = feat_rows = hidden_rows = norm_seen = 0;  // the last decode's rows are gone
+#if defined(__linux__)
+    auto release_buffer = [](ggml_backend_buffer_t buf) {  // noted only where in host memory
+        if (buf) {
+            release_pages(ggml_backend_buffer_get_base(buf), ggml_backend_buffer_get_size(buf));
+        }
+    };
+    if (tgt.params.n_gpu_layers == 0) {
+        release_pages(llama_get_logits(ctx_tgt), (size_t) max_out_tgt * tgt.n_vocab() * sizeof(float));
+        release_buffer(compute_buf);
+    }
+    if (ctx_dft && dft->params.n_gpu_layers == 0) {
+        release_pages(llama_get_logits(ctx_dft), (size_t) max_out_dft * dft->n_vocab() * sizeof(float));
+        release_buffer(compute_buf_dft);
+    }
+#endif
+#if defined(__GLIBC__)
+    malloc_trim(0);  // what the vectors and llama.cpp's smaller buffers freed, which glibc keeps otherwise
+#endif
+}
+
 py::array_t<float> Session::logits(int row) {
     if (row < -n_out || row >= n_out) {
         throw std::out_of_range("row " + std::to_string(row) + " outside the " + std::to_string(n_out) +
@@ -934,6 +986,10 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     dp.ctx_other = ctx_tgt;
     dp.type_k = o.type_k_draft;
     dp.type_v = o.type_v_draft;
+    if (dft->params.n_gpu_layers == 0) {
+        dp.cb_eval           = drafter_eval_cb;
+        dp.cb_eval_user_data = this;
+    }
     ctx_dft = llama_init_from_model(dft->model, dp);
     if (!ctx_dft) {
         fail("failed to create the drafter context");
@@ -1251,6 +1307,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     }
     n_out = n_rows = 0;
     collecting = true;
+    max_out_tgt = std::max(max_out_tgt, n_outputs);
     process(ctx_tgt, batch_tgt, "target decode");
     llama_synchronize(ctx_tgt);
     collecting = false;
@@ -1300,9 +1357,29 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
 
 // Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1. It runs inside llama.cpp
 // and must not throw: a tensor it cannot use is skipped, and decode_target reports the missing rows.
+// For trim(): the host buffer a graph's scratch lives in, the one of its final norm or logits (never a view into a
+// cache), noted at every decode, since llama.cpp reallocates it for a larger graph.
+static void note_compute_buffer(const ggml_tensor * t, const char * name, ggml_backend_buffer_t & buf) {
+    if (t->view_src == nullptr && t->buffer && ggml_backend_buffer_is_host(t->buffer) &&
+        (strcmp(name, "result_norm") == 0 || strcmp(name, "result_output") == 0)) {
+        buf = t->buffer;
+    }
+}
+
+// The drafter's callback, on a CPU drafter only: it needs no node, it notes where the drafter's graph lives.
+bool Session::drafter_eval_cb(ggml_tensor * t, bool ask, void * user) {
+    if (ask) {
+        note_compute_buffer(t, ggml_get_name(t), ((Session *) user)->compute_buf_dft);
+    }
+    return !ask;
+}
+
 bool Session::eval_cb(ggml_tensor * t, bool ask, void * user) {
     auto * self = (Session *) user;
     const char * name = ggml_get_name(t);
+    if (ask) {
+        note_compute_buffer(t, name, self->compute_buf);
+    }
     if (!self->collecting) {
         return ask ? false : true;
     }
@@ -1447,6 +1524,7 @@ void Session::draft_block(llama_token last, int n_draft, bool with_probs, const 
         add_token(batch_dft, i == 0 ? last : mask_token, past + i, logits, slot);
     }
     process(ctx_dft, batch_dft, "drafter decode");
+    max_out_dft = std::max(max_out_dft, logits ? n_draft + first : 0);
     const int n_vocab = tgt.n_vocab();
     draft_rows.clear();
     lattice_rows.clear();

@@ -139,6 +139,7 @@ public:
                     bool rejection, int head_rows = 1, int slot = 0);
     std::vector<StepResult> step_batch(const std::vector<SlotStep> & steps);
     void interrupt(bool on = true) { interrupt_wanted = on; }
+    void trim();
     py::array_t<float> logits(int row);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
@@ -214,6 +215,12 @@ private:
     int n_embd = 0;
     std::vector<Slot> slots;
     int n_out = 0;  // output (logits) rows of the last target decode
+    // the most output rows one decode of each context asked for: llama.cpp's output buffer holds as many rows of
+    // logits from then on (trim)
+    int max_out_tgt = 0;
+    int max_out_dft = 0;
+    ggml_backend_buffer_t compute_buf = nullptr;      // the target's compute buffer, where in host memory (eval_cb)
+    ggml_backend_buffer_t compute_buf_dft = nullptr;  // the drafter's (drafter_eval_cb)
     int n_rows = 0; // rows of the last target decode, the scratch row not counted
 
     // Batch invariance with llamafile's sgemm (a GGML_LLAMAFILE build, llama.cpp's default). Its kernels give an
@@ -312,6 +319,7 @@ private:
     void drop_scratch();
     void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);
     static bool eval_cb(ggml_tensor * t, bool ask, void * user);
+    static bool drafter_eval_cb(ggml_tensor * t, bool ask, void * user);
     void replay(const llama_token * toks, int n, int pos0, int slot);
     void defer(int pos0, int n, int slot, int row0 = 0);
     void flush(int slot);

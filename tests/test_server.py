@@ -29,6 +29,13 @@ KEY = "sk-test-key"
 @contextmanager
 def serve_command(*args):
     """`dflash-local serve ARGS` on a free port, started as a user starts it; yields its URL once /health is 200."""
+    with serve_process(*args) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_process(*args):
+    """serve_command's server, yielding its URL and its process."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", *map(str, args), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -42,7 +49,7 @@ def serve_command(*args):
             except httpx.ConnectError:
                 pass
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(10)

@@ -2,6 +2,7 @@
 whatever the other slots run beside it; each slot keeps its own prompt cache; the server runs requests side by side."""
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import openai
 import pytest
 from fixtures import write_tiny_drafter, write_tiny_qwen35
 from scripted import ScriptedDrafter
-from test_server import ServerThread, serve_command
+from test_server import ServerThread, serve_command, serve_process
 
 from dflash_local import Engine, EngineBusyError, Finished, StepStats
 from dflash_local.engine.engine import DraftRequest, StepRequest
@@ -145,6 +146,58 @@ def test_slots_price_their_rows_at_what_they_add_to_a_shared_decode(tiny_target,
     assert rows >= 1 and tokens >= 1 and policies[first].beside == (rows, tokens)
     single.complete(**jobs[0])  # an engine with one slot never shares a decode
     assert single.batch_costs.verify_ms == {} and single.slots[0].beside == (0, 0.0)
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    return int(open(f"/proc/{pid}/status").read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+BURST = ["def total(values):\n", "The quick brown fox", "Once upon a time", "A list of numbers:"]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="trim hands pages back on Linux only")
+
+
+@linux_only
+def test_an_idle_engine_gives_a_bursts_memory_back(gemma_target, gemma_drafter):
+    """Engine.trim: a burst of four slots' full blocks grows the per-decode buffers (a megabyte of logits per row
+    of gemma's 262k vocabulary, in llama.cpp's output buffers and ours, and the compute buffers as far as the
+    largest graph); trimmed, the engine is back to its size after loading and generates as before."""
+    e = Engine(gemma_target, gemma_drafter, n_ctx=1024, n_slots=4, draft_policy="fixed")
+    jobs = {k: dict(prompt=p, max_tokens=32) for k, p in enumerate(BURST)}
+    loaded = rss_mib()
+    first = interleave(e, jobs)
+    grown = rss_mib()
+    e.trim()
+    trimmed = rss_mib()
+    assert grown - loaded > 40, (loaded, grown)  # what there is to give back
+    assert trimmed < loaded + 8, (loaded, grown, trimmed)
+    again = interleave(e, jobs)
+    assert {k: r[0].token_ids for k, r in again.items()} == {k: r[0].token_ids for k, r in first.items()}
+
+
+@linux_only
+def test_the_server_gives_a_bursts_memory_back_when_idle(gemma_target, gemma_drafter):
+    """`serve -np 4`: its worker trims the engine when the last generation ends and nobody waits, so the server's
+    memory after each burst of four requests is what it was idle (measured after four one-token requests)."""
+    want = [alone(gemma_target, gemma_drafter).complete(p, max_tokens=32).text for p in BURST]
+    with serve_process("-m", gemma_target, "-d", gemma_drafter, "-np", "4", "-c", "1024", "--draft-policy",
+                       "fixed") as (url, proc):
+        def ask(prompt, max_tokens=32):
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        def settled(limit):
+            end = time.time() + 30
+            while (mib := rss_mib(proc.pid)) > limit and time.time() < end:  # trimmed right after the last one ends
+                time.sleep(0.1)
+            return mib
+
+        with ThreadPoolExecutor(4) as pool:
+            # the server's own allocations for four requests at once (connections, threads), with one-row batches
+            list(pool.map(lambda p: ask(p, 1), BURST))
+            idle = settled(0)
+            for _ in range(2):
+                assert list(pool.map(ask, BURST)) == want
+                assert settled(idle + 8) < idle + 8, idle
 
 
 def test_a_slot_keeps_its_own_prompt_cache(tiny_target, tiny_drafter):

@@ -619,6 +619,13 @@ class Engine:
         n = sum(q.n_draft for q in requests) or 1
         return [(d.tokens, d.confidence or None, ms * q.n_draft / n) for q, d in zip(requests, drafts)]
 
+    def trim(self) -> None:
+        """Give back the memory a burst of large batches left in the per-decode buffers (ours and llama.cpp's, for
+        contexts on the CPU: Session.trim), so that an idle engine is back to its size after loading. The slots'
+        caches stay; the next generation runs as it would have."""
+        with self._native:
+            self.session.trim()
+
     def interrupt(self, on: bool = True) -> None:
         """From another thread: ask the step_many in flight to give up its target decode if it has only begun (in
         its first half), so that a new request's prompt goes before it rather than after; step_many then raises

@@ -9,7 +9,8 @@ request that arrives while others stream starts at the next round instead of aft
 slot's output is that of the request run alone (engine.py). On a CPU a round's decode can take longer than a prompt
 (8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take interrupts it if it
 has only begun (Engine.interrupt), its prompt goes first, and the round runs again. A caller that goes away sets its
-job's cancel flag; the worker stops that generation before its next step and frees the slot.
+job's cancel flag; the worker stops that generation before its next step and frees the slot. When the last
+generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim).
 """
 
 from __future__ import annotations
@@ -152,50 +153,62 @@ class Runner:
         return started
 
     def _work(self) -> None:
+        ran = False  # generations ran since the engine was last trimmed
         while True:
+            with self._cv:
+                idle = not self._waiting and not self._running
+            if idle and ran:  # the memory of the last burst's batches goes back before waiting
+                self.engine.trim()
+                ran = False
             with self._cv:
                 while not self._waiting and not self._running:
                     self._cv.wait()
-            # a round: each running generation goes on to its next step, or through one batch of its prompt (a
-            # request that arrives meanwhile starts before the next slot's turn), the drafts they ask the drafter
-            # for are made together, then the steps of all of them run in one target decode
-            requests, self._again = self._again, []
-            turned = {q.slot for q in requests}
-            drafts = []
-            while True:
-                fresh = self._admit()
-                slot = next((k for k in fresh + list(self._running) if k not in turned), None)
-                if slot is None:
-                    break
-                turned.add(slot)
-                q = self._advance(slot)
-                (drafts if isinstance(q, DraftRequest) else requests).append(q)
-            while drafts:
-                try:
-                    results = self.engine.draft_many(drafts)
-                except Exception as e:  # every generation that asked gets the error
-                    results = [e] * len(drafts)
-                again = []
-                for q, r in zip(drafts, results):
-                    self._results[q.slot] = r
-                    step = self._advance(q.slot)
-                    (again if isinstance(step, DraftRequest) else requests).append(step)
-                drafts = again
-            requests = [q for q in requests if q is not None]
-            if not requests:
-                continue
+            ran = True
+            self._round()
+
+    def _round(self) -> None:
+        """One round (a call of its own: nothing of it, such as a request's sampler, outlives it while the worker
+        waits)."""
+        # each running generation goes on to its next step, or through one batch of its prompt (a request that
+        # arrives meanwhile starts before the next slot's turn), the drafts they ask the drafter for are made
+        # together, then the steps of all of them run in one target decode
+        requests, self._again = self._again, []
+        turned = {q.slot for q in requests}
+        drafts = []
+        while True:
+            fresh = self._admit()
+            slot = next((k for k in fresh + list(self._running) if k not in turned), None)
+            if slot is None:
+                break
+            turned.add(slot)
+            q = self._advance(slot)
+            (drafts if isinstance(q, DraftRequest) else requests).append(q)
+        while drafts:
             try:
-                results = self.engine.step_many(requests)
-            except Interrupted:
-                self.interrupted += 1
-                self._again = [q for q in requests if q.slot in self._running]
-                continue
-            except Exception as e:  # every generation of the batch gets the error
-                for q in requests:
-                    self._results[q.slot] = e
-                continue
-            for q, r in zip(requests, results):
+                results = self.engine.draft_many(drafts)
+            except Exception as e:  # every generation that asked gets the error
+                results = [e] * len(drafts)
+            again = []
+            for q, r in zip(drafts, results):
                 self._results[q.slot] = r
+                step = self._advance(q.slot)
+                (again if isinstance(step, DraftRequest) else requests).append(step)
+            drafts = again
+        requests = [q for q in requests if q is not None]
+        if not requests:
+            return
+        try:
+            results = self.engine.step_many(requests)
+        except Interrupted:
+            self.interrupted += 1
+            self._again = [q for q in requests if q.slot in self._running]
+            return
+        except Exception as e:  # every generation of the batch gets the error
+            for q in requests:
+                self._results[q.slot] = e
+            return
+        for q, r in zip(requests, results):
+            self._results[q.slot] = r
 
     def _advance(self, slot: int) -> StepRequest | DraftRequest | None:
         """Run the slot's generation up to its next step or draft (handing its events to the caller), or through one
