@@ -79,6 +79,7 @@ def run_round(url: str, clients: int, rss) -> dict:
     while any(s["is_processing"] for s in httpx.get(url + "/slots").json()) and time.time() < end:
         time.sleep(0.1)
     idle = not any(s["is_processing"] for s in httpx.get(url + "/slots").json())
+    time.sleep(0.5)  # the worker gives the burst's memory back right after the last generation ends (Engine.trim)
     after = rss()
     completed = [i for i, (status, text) in enumerate(results) if status == 200 and text is not None]
     same = sum(send(url, bodies[i] | {"stream": False}, False)[1] == results[i][1] for i in completed)
