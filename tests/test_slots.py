@@ -174,6 +174,23 @@ def test_an_idle_engine_gives_a_bursts_memory_back(gemma_target, gemma_drafter):
     assert {k: r[0].token_ids for k, r in again.items()} == {k: r[0].token_ids for k, r in first.items()}
 
 
+@pytest.mark.parametrize("pair", ["tiny", "qwen35"])
+def test_a_trimmed_engine_goes_on_from_its_caches(pair, request, tiny_target, tiny_drafter):
+    """Trim between generations leaves every slot's caches (KV, recurrent checkpoints, deferred features) as they
+    were: requests that reuse them give plain decoding's output, on the hybrid target too."""
+    target, drafter = (tiny_target, tiny_drafter) if pair == "tiny" else request.getfixturevalue("qwen35_pair")
+    e = Engine(target, drafter, n_ctx=512, n_slots=2)
+    want = [e.complete(**kw | {"draft": False}).token_ids for kw in REQUESTS[:2]]
+    for _ in range(2):
+        got = interleave(e, dict(enumerate(REQUESTS[:2])))
+        e.trim()
+        assert [got[k][0].token_ids for k in range(2)] == want
+    longer = REQUESTS[0] | {"prompt": REQUESTS[0]["prompt"] + e.detokenize(want[0][:5])}  # extends a cached prompt
+    got = e.complete(**longer)
+    assert got.summary.n_cached > 0
+    assert got.token_ids == Engine(target, drafter, n_ctx=512).complete(**longer | {"draft": False}).token_ids
+
+
 @linux_only
 def test_the_server_gives_a_bursts_memory_back_when_idle(gemma_target, gemma_drafter):
     """`serve -np 4`: its worker trims the engine when the last generation ends and nobody waits, so the server's
