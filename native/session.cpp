@@ -552,7 +552,6 @@ std::vector<int> Session::ubatch_order(const std::vector<int> & seq, int n_ubatc
     return out;
 }
 
-// Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
 #if defined(__linux__)
 // Hand the whole pages of [p, p + bytes) back to the system: private anonymous memory reads as zeros after it, and
 // every buffer given here is written before it is read again.
@@ -597,6 +596,7 @@ void Session::trim() {
 #endif
 }
 
+// Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
 py::array_t<float> Session::logits(int row) {
     if (row < -n_out || row >= n_out) {
         throw std::out_of_range("row " + std::to_string(row) + " outside the " + std::to_string(n_out) +
@@ -1355,8 +1355,6 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     }
 }
 
-// Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1. It runs inside llama.cpp
-// and must not throw: a tensor it cannot use is skipped, and decode_target reports the missing rows.
 // For trim(): the host buffer a graph's scratch lives in, the one of its final norm or logits (never a view into a
 // cache), noted at every decode, since llama.cpp reallocates it for a larger graph.
 static void note_compute_buffer(const ggml_tensor * t, const char * name, ggml_backend_buffer_t & buf) {
@@ -1374,6 +1372,8 @@ bool Session::drafter_eval_cb(ggml_tensor * t, bool ask, void * user) {
     return !ask;
 }
 
+// Scheduler callback: the output of layer N ("l_out-N") is the input of layer N + 1. It runs inside llama.cpp
+// and must not throw: a tensor it cannot use is skipped, and decode_target reports the missing rows.
 bool Session::eval_cb(ggml_tensor * t, bool ask, void * user) {
     auto * self = (Session *) user;
     const char * name = ggml_get_name(t);

@@ -215,13 +215,13 @@ private:
     int n_embd = 0;
     std::vector<Slot> slots;
     int n_out = 0;  // output (logits) rows of the last target decode
+    int n_rows = 0; // rows of the last target decode, the scratch row not counted
     // the most output rows one decode of each context asked for: llama.cpp's output buffer holds as many rows of
     // logits from then on (trim)
     int max_out_tgt = 0;
     int max_out_dft = 0;
     ggml_backend_buffer_t compute_buf = nullptr;      // the target's compute buffer, where in host memory (eval_cb)
     ggml_backend_buffer_t compute_buf_dft = nullptr;  // the drafter's (drafter_eval_cb)
-    int n_rows = 0; // rows of the last target decode, the scratch row not counted
 
     // Batch invariance with llamafile's sgemm (a GGML_LLAMAFILE build, llama.cpp's default). Its kernels give an
     // element of a product the same bits whatever the number of rows, but ggml calls them from two rows on only:
