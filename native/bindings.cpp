@@ -251,6 +251,12 @@ PYBIND11_MODULE(_native, m) {
         .def("set_capture", &Session::set_capture, py::arg("on"), py::arg("slot") = 0)
         .def("set_head_on_demand", &Session::set_head_on_demand, py::arg("on"))
         .def_property_readonly("head_on_demand", &Session::head_on_demand_active)
+        .def("set_greedy_head", &Session::set_greedy_head, py::arg("on"), py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("greedy_head", &Session::greedy_head_active)
+        .def_property_readonly("greedy_head_bytes", &Session::greedy_head_bytes)
+        .def("greedy_logits", &Session::greedy_logits, py::arg("row"),
+             "Row `row` of the last verify batch as the greedy head computes it: the exact logits of the tokens that "
+             "could be its largest, -inf elsewhere.")
         .def("truncate", &Session::truncate, py::arg("n"), py::arg("slot") = 0,
              py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),

@@ -101,6 +101,10 @@ public:
     Sampler & operator=(const Sampler &) = delete;
 
     bool has_grammar() const { return grammar != nullptr; }
+    // next() is the row's argmax: temperature 0 and no controls (a greedy LM head may skip the other logits)
+    bool greedy() const {
+        return params.temperature <= 0.0f && bias.empty() && !pen.active() && !grammar && n_top < 0;
+    }
     llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand);
     llama_token judge(const float * logits, llama_token x, const float * q, uint64_t index);
     const Sampling & sampling() const { return params; }

@@ -267,6 +267,7 @@ StepResult Session::step(llama_token last, const std::vector<llama_token> & draf
     Slot & sl = at(slot);
     check_step(sl, last, draft, s, rejection);
     head_first = std::max(head_rows, 1);
+    head_greedy = !rejection && s.greedy();
     StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
     sl.q_tokens.clear();  // its distributions are spent
     return r;
@@ -385,7 +386,9 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             head_ranges.clear();
             for (size_t j = 0; j < group.size(); ++j) {
                 const int rows = (int) res[group[j]].draft.size() + 1;
-                head_ranges.push_back({row0[j], row0[j] + rows, 0, std::max(steps[group[j]].head_rows, 1)});
+                const SlotStep & st = steps[group[j]];
+                head_ranges.push_back(
+                    {row0[j], row0[j] + rows, 0, std::max(st.head_rows, 1), !st.rejection && st.sampler->greedy()});
             }
             double shared_head_ms = 0.0;
             if (hidden_rows > 0) {
@@ -468,20 +471,33 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     std::vector<float> x, y;
-    for (size_t w = 0; w < which.size(); ++w) {
-        const int i0 = head_ranges[which[w]].lo + head_ranges[which[w]].done;
-        x.insert(x.end(), &hidden[(size_t) i0 * n_embd], &hidden[(size_t) (i0 + more[w]) * n_embd]);
-    }
-    const int m_all = (int) (x.size() / n_embd);
-    y.resize((size_t) m_all * n_vocab);
-    compute_head(x.data(), y.data(), m_all);
-    size_t off = 0;
-    for (size_t w = 0; w < which.size(); ++w) {
-        HeadRange & h = head_ranges[which[w]];
-        std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
-                    (size_t) more[w] * n_vocab * sizeof(float));
-        off += (size_t) more[w] * n_vocab;
-        h.done += more[w];
+    for (bool greedy : {true, false}) {  // greedy ranges in one call, the others in another
+        x.clear();
+        for (size_t w = 0; w < which.size(); ++w) {
+            const HeadRange & h = head_ranges[which[w]];
+            if (h.greedy == greedy) {
+                x.insert(x.end(), &hidden[(size_t) (h.lo + h.done) * n_embd],
+                         &hidden[(size_t) (h.lo + h.done + more[w]) * n_embd]);
+            }
+        }
+        const int m_all = (int) (x.size() / n_embd);
+        if (m_all == 0) {
+            continue;
+        }
+        y.resize((size_t) m_all * n_vocab);
+        compute_head(x.data(), y.data(), m_all, greedy);
+        size_t off = 0;
+        for (size_t w = 0; w < which.size(); ++w) {
+            HeadRange & h = head_ranges[which[w]];
+            if (h.greedy != greedy) {
+                continue;
+            }
+            std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
+                        (size_t) more[w] * n_vocab * sizeof(float));
+            std::fill_n(&row_pruned[h.lo + h.done], more[w], (char) (greedy && greedy_head));
+            off += (size_t) more[w] * n_vocab;
+            h.done += more[w];
+        }
     }
     return ms_since(t0);
 }
@@ -575,6 +591,7 @@ void Session::trim() {
         std::vector<float>().swap(*v);
     }
     std::vector<char>().swap(head_q);
+    std::vector<char>().swap(row_pruned);
     n_out = feat_rows = hidden_rows = norm_seen = 0;  // the last decode's rows are gone
 #if defined(__linux__)
     auto release_buffer = [](ggml_backend_buffer_t buf) {  // noted only where in host memory
@@ -596,6 +613,23 @@ void Session::trim() {
 #endif
 }
 
+// The greedy head pays where the LM head is a large part of a verify row: a quarter of the target's weights or more.
+void Session::build_greedy_head() {
+    if (greedy_head_on && head_w && !greedy_head && GreedyHead::supported(head_w) &&
+        4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model)) {
+        greedy_head = std::make_unique<GreedyHead>(head_w, (int) llama_n_threads_batch(ctx_tgt));
+    }
+}
+
+void Session::set_greedy_head(bool on) {
+    greedy_head_on = on;
+    if (on) {
+        build_greedy_head();
+    } else {
+        greedy_head.reset();
+    }
+}
+
 // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).
 py::array_t<float> Session::logits(int row) {
     if (row < -n_out || row >= n_out) {
@@ -604,9 +638,19 @@ py::array_t<float> Session::logits(int row) {
     }
     LogScope log(verbose);
     const int n_vocab = tgt.n_vocab();
-    const float * src = target_row(row);
+    const float * src = target_row(row, true);
     py::array_t<float> out(n_vocab);
     std::memcpy(out.mutable_data(), src, n_vocab * sizeof(float));
+    return out;
+}
+
+py::array_t<float> Session::greedy_logits(int row) {
+    if (!greedy_head_active() || row < 0 || row >= hidden_rows) {
+        throw std::invalid_argument("no greedy head for row " + std::to_string(row) + " of the last target decode");
+    }
+    LogScope log(verbose);
+    py::array_t<float> out(tgt.n_vocab());
+    greedy_head->compute(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, (int) llama_n_threads(ctx_tgt));
     return out;
 }
 
@@ -740,8 +784,9 @@ py::array_t<float> Session::features() const {
     return out;
 }
 
-// Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output).
-const float * Session::target_row(int i) {
+// Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output). A row of a
+// greedy range may come back with only the logits its argmax needs, unless `full`.
+const float * Session::target_row(int i, bool full) {
     if (hidden_rows == 0) {
         return logits_row(ctx_tgt, i < 0 ? i + n_rows : i, "target");  // the scratch row's are not ours
     }
@@ -753,23 +798,35 @@ const float * Session::target_row(int i) {
     if (h == head_ranges.end() || i < h->lo) {
         fail("no target logits for output row " + std::to_string(i));
     }
+    const size_t n_vocab = tgt.n_vocab();
     if (i >= h->lo + h->done) {
         // a block's rows are read in order: first the `first` rows the step's caller expects to read, then as many
         // more as have been read (doubling): a call costs a few ms beyond its rows (docs/measurements.md), so a
         // block whose drafts are accepted pays a few calls, and one rejected early one or two rows
         const int end = std::min(h->hi, std::max(i + 1, h->lo + (h->done ? 2 * h->done : h->first)));
         const int i0 = h->lo + h->done;
-        compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[(size_t) i0 * tgt.n_vocab()], end - i0);
+        const bool greedy = h->greedy && !full && greedy_head;
+        compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0, greedy);
+        std::fill(&row_pruned[i0], &row_pruned[end], (char) greedy);
         h->done = end - h->lo;
     }
-    return &head_logits[(size_t) i * tgt.n_vocab()];
+    if (full && row_pruned[i]) {
+        compute_head(&hidden[(size_t) i * n_embd], &head_logits[i * n_vocab], 1);
+        row_pruned[i] = 0;
+    }
+    return &head_logits[i * n_vocab];
 }
 
-// The LM head of r final-norm rows x into their logits y.
-void Session::compute_head(const float * x_rows, float * y_rows, int r) {
+// The LM head of r final-norm rows x into their logits y (greedy: for their argmax only, where greedy_head is built).
+void Session::compute_head(const float * x_rows, float * y_rows, int r, bool greedy) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     const int nth = (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
+    if (greedy && greedy_head) {
+        greedy_head->compute(x_rows, y_rows, r, nth);
+        head_ms += ms_since(t0);
+        return;
+    }
     if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
         head_vec_dot(x_rows, y_rows, r, nth);
         head_ms += ms_since(t0);
@@ -1164,7 +1221,8 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     const auto t1 = std::chrono::steady_clock::now();
     // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
     // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
-    decode_target(block.data(), (int) block.size(), sl.past, r.draft.empty() && !pad ? LogitsAll : LogitsOnDemand,
+    decode_target(block.data(), (int) block.size(), sl.past,
+                  r.draft.empty() && !pad && !(head_greedy && greedy_head) ? LogitsAll : LogitsOnDemand,
                   slot);
     r.verify_ms = ms_since(t1);
     head_ms = 0.0;
@@ -1298,6 +1356,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     if (lazy) {
         hidden.resize((size_t) n * n_embd);
         head_logits.resize((size_t) n * tgt.n_vocab());
+        row_pruned.assign(n, 0);
     }
     feats.resize((size_t) n * width);
     feat_rows = n;
@@ -1323,13 +1382,14 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
                                 ggml_backend_buffer_is_host(probe_w->buffer) && probe_w->ne[0] == n_embd &&
                                 probe_w->ne[1] == tgt.n_vocab();
         head_w = plain_head ? probe_w : nullptr;
+        build_greedy_head();
     }
     if (lazy) {
         if (norm_seen != n) {
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
         hidden_rows = n_real;
-        head_ranges = {{0, n_real, 0, head_first}};
+        head_ranges = {{0, n_real, 0, head_first, head_greedy}};
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;

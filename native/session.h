@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include "greedy_head.h"
 #include "model.h"
 #include "sampler.h"
 
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -128,6 +130,10 @@ public:
     // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
     void set_head_on_demand(bool on) { head_on_demand = on; }
     bool head_on_demand_active() const { return head_on_demand && head_w; }
+    // Whether greedy rows of verify batches compute only their argmax (greedy_head.h; on by default where it pays).
+    void set_greedy_head(bool on);
+    bool greedy_head_active() const { return head_on_demand_active() && greedy_head != nullptr; }
+    size_t greedy_head_bytes() const { return greedy_head ? greedy_head->bytes() : 0; }
 
     void truncate(int n, int slot = 0);
     llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index, int slot = 0);
@@ -141,6 +147,7 @@ public:
     void interrupt(bool on = true) { interrupt_wanted = on; }
     void trim();
     py::array_t<float> logits(int row);
+    py::array_t<float> greedy_logits(int row);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
     void keep_draft_logits(bool on) { keep_draft = on; }
@@ -278,15 +285,25 @@ private:
     std::vector<float> head_logits;    // [hidden_rows, n_vocab]
     // The rows of one slot's block in the last decode, [lo, hi): the accept loop reads them in order, and rows
     // [lo, lo + done) have their LM head computed; the first call computes `first` rows (step's head_rows).
+    // greedy: its rows are read by a greedy sampler, which needs only their argmax (greedy_head).
     struct HeadRange {
         int lo, hi, done, first;
+        bool greedy;
     };
     std::vector<HeadRange> head_ranges;
     int head_first = 1;                // the first head call's rows of the next decode's one range
+    bool head_greedy = false;          // and whether that range is greedy
     double head_ms = 0.0;              // time in compute_head since the step began
+    // The greedy LM head (greedy_head.h), where the output matrix is at least a quarter of the target's weights
+    // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, marked in
+    // row_pruned; logits() computes such a row in full.
+    bool greedy_head_on = true;
+    std::unique_ptr<GreedyHead> greedy_head;
+    std::vector<char> row_pruned;      // [hidden_rows]
 
-    const float * target_row(int i);
-    void compute_head(const float * x_rows, float * y_rows, int r);
+    const float * target_row(int i, bool full = false);
+    void compute_head(const float * x_rows, float * y_rows, int r, bool greedy = false);
+    void build_greedy_head();
     double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
     void head_vec_dot(const float * x_rows, float * out, int r, int nth);
     void check_arguments(const ContextOptions & o);

@@ -352,6 +352,8 @@ class Engine:
             "feature_capture": "layer_api" if self.session.uses_layer_api else "callback",
             "bit_exact_verify": self.bit_exact,
             "padded_decode": self.session.pads_rows,  # a llamafile build's second row (docs/lossless.md)
+            # the int8 copy of the LM head for greedy rows, once the first decode found the head (greedy_head.h)
+            "greedy_head_bytes": self.session.greedy_head_bytes,
             "gpu_offload": _native.supports_gpu_offload(),
             "placement": self.placement_info(),
             "memory": {"target": self._memory("target"), "drafter": self._memory("drafter")},

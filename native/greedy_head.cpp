@@ -1,0 +1,273 @@
+#include "greedy_head.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    define GREEDY_VNNI 1
+#    include <immintrin.h>
+#endif
+
+// The bound. A logit is the real dot product of the dequantized row w and the dequantized q8_0 activation a (vec_dot
+// sums exact integer products, then scales them in float: its float rounding is far below 1e-5 |w| |a| for any
+// width). With the copy w' = s q and the activation requantized with one scale, a' = d q'',
+//   w . a = w' . a' + (w - w') . a + w' . (a - a'),  |(w - w') . a| <= |w - w'| |a|,  |w' . (a - a')| <= |w'| |a - a'|,
+// and w' . a' is an exact integer times s d. err adds 1e-3 |w| for the float rounding of both sides: upper bounds
+// ub >= logit, so every token whose logit could reach the best one found is computed exactly.
+static constexpr double ROUNDING_MARGIN = 1e-3;
+
+static bool has_vnni() {
+#ifdef GREEDY_VNNI
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+bool GreedyHead::supported(const ggml_tensor * w) {
+    if (!has_vnni() || !w || !w->data || w->extra || ggml_n_dims(w) != 2 || !ggml_is_contiguous(w) ||
+        (w->buffer && !ggml_backend_buffer_is_host(w->buffer))) {
+        return false;
+    }
+    const bool q8_rows = w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || w->type == GGML_TYPE_Q4_0;
+    return q8_rows && ggml_get_type_traits_cpu(w->type)->vec_dot_type == GGML_TYPE_Q8_0 &&
+           ggml_get_type_traits(w->type)->to_float && ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
+}
+
+GreedyHead::GreedyHead(const ggml_tensor * w, int nth)
+    : w(w), n_embd((int) w->ne[0]), n_vocab((int) w->ne[1]), n_pad(((int) w->ne[0] + 63) / 64 * 64) {
+    q.assign((size_t) (n_vocab + 3) / 4 * 4 * n_pad, 128);
+    scale.resize(n_vocab);
+    err.resize(n_vocab);
+    norm.resize(n_vocab);
+    const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
+#pragma omp parallel num_threads(nth)
+    {
+        std::vector<float> row(n_embd);
+#pragma omp for schedule(static)
+        for (int v = 0; v < n_vocab; ++v) {
+            to_float((const char *) w->data + (size_t) v * w->nb[1], row.data(), n_embd);
+            float amax = 0.0f;
+            bool finite = true;
+            for (float x : row) {
+                finite = finite && std::isfinite(x);
+                amax = std::max(amax, std::fabs(x));
+            }
+            if (!finite) {  // a broken row is always computed exactly
+                scale[v] = 0.0f;
+                err[v] = std::numeric_limits<float>::infinity();
+                norm[v] = 0.0f;
+                continue;
+            }
+            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            uint8_t * tile = &q[(size_t) (v / 4) * 4 * n_pad + 64 * (v % 4)];  // dots_vnni's order
+            double e2 = 0.0, n2 = 0.0, w2 = 0.0;
+            for (int i = 0; i < n_embd; ++i) {
+                const int k = std::clamp((int) std::lround(row[i] / s), -127, 127);
+                tile[256 * (i / 64) + i % 64] = (uint8_t) (k + 128);
+                const double c = (double) s * k;
+                e2 += (row[i] - c) * (row[i] - c);
+                n2 += c * c;
+                w2 += (double) row[i] * row[i];
+            }
+            scale[v] = s;
+            err[v] = (float) ((std::sqrt(e2) + ROUNDING_MARGIN * std::sqrt(w2)) * (1.0 + 1e-6));
+            norm[v] = (float) (std::sqrt(n2) * (1.0 + 1e-6));
+        }
+    }
+}
+
+#ifdef GREEDY_VNNI
+// The four lanes' sums of four accumulators, in order.
+__attribute__((target("avx512f,avx512bw"))) static inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i y = _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+}
+
+// dots[j * stride + v - v0] = sum_i q[v][i] * a[j][i] for rows [v0, v1) of the copy (v0 a multiple of 4; whole tiles
+// are written) and r activation rows: tiles of 4 matrix rows x 4 activation rows, every product one vpdpbusd lane.
+// The copy is laid out in the order this loop reads it (tile by tile, 64 bytes of each of its 4 rows in turn), and
+// prefetched: one stream.
+__attribute__((target("avx512f,avx512bw,avx512vnni"), optimize("unroll-loops"))) static void dots_vnni(const uint8_t * q, int n_pad, int v0,
+                                                                                 int v1, const int8_t * a, int r,
+                                                                                 int32_t * dots, int stride) {
+    const int nk = n_pad / 64;
+    for (int v = v0; v < v1; v += 4) {
+        const uint8_t * tile = q + (size_t) v * n_pad;
+        for (int j = 0; j < r; j += 4) {
+            const int8_t * x[4];
+            for (int l = 0; l < 4; ++l) {
+                x[l] = a + (size_t) std::min(j + l, r - 1) * n_pad;
+            }
+            __m512i c[4][4];
+            for (int i = 0; i < 4; ++i) {
+                for (int l = 0; l < 4; ++l) {
+                    c[i][l] = _mm512_setzero_si512();
+                }
+            }
+            for (int k = 0; k < nk; ++k) {
+                const uint8_t * wk = tile + 256 * k;
+                for (int b = 0; b < 256; b += 64) {
+                    _mm_prefetch((const char *) wk + 2048 + b, _MM_HINT_T0);
+                }
+                __m512i xv[4], wv[4];
+                for (int l = 0; l < 4; ++l) {
+                    xv[l] = _mm512_loadu_si512(x[l] + 64 * k);
+                    wv[l] = _mm512_loadu_si512(wk + 64 * l);
+                }
+                for (int i = 0; i < 4; ++i) {
+                    for (int l = 0; l < 4; ++l) {
+                        c[i][l] = _mm512_dpbusd_epi32(c[i][l], wv[i], xv[l]);
+                    }
+                }
+            }
+            for (int l = 0; l < 4 && j + l < r; ++l) {
+                _mm_storeu_si128((__m128i *) &dots[(size_t) (j + l) * stride + v - v0],
+                                 sum4(c[0][l], c[1][l], c[2][l], c[3][l]));
+            }
+        }
+    }
+}
+
+// Tokens [v0, v1) of a row of bounds y: -inf where below floor, exact(v) elsewhere (NaN included). Returns how many.
+template <class F>
+__attribute__((target("avx512f"))) static long keep_candidates(float * y, int v0, int v1, float floor, F && exact) {
+    long n = 0;
+    const __m512 f = _mm512_set1_ps(floor), ninf = _mm512_set1_ps(-INFINITY);
+    int v = v0;
+    for (; v + 16 <= v1; v += 16) {
+        const __m512 e = _mm512_loadu_ps(y + v);
+        __mmask16 keep = _mm512_cmp_ps_mask(e, f, _CMP_NLT_UQ);
+        _mm512_storeu_ps(y + v, _mm512_mask_blend_ps(keep, ninf, e));
+        for (; keep; keep &= keep - 1) {
+            const int i = v + __builtin_ctz(keep);
+            y[i] = exact(i);
+            ++n;
+        }
+    }
+    for (; v < v1; ++v) {
+        if (y[v] < floor) {
+            y[v] = -INFINITY;
+        } else {
+            y[v] = exact(v);
+            ++n;
+        }
+    }
+    return n;
+}
+#endif
+
+long GreedyHead::compute(const float * x, float * y, int r, int nth) {
+    const ggml_type_traits_cpu * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    const ggml_to_float_t dequant = ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
+    const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, n_embd);
+    std::vector<char> xq((size_t) r * xrow);  // the rows as vec_dot reads them
+    std::vector<int8_t> a((size_t) r * n_pad, 0);
+    std::vector<float> d(r), na(r), ea(r), ad(n_embd);
+    std::vector<int32_t> sum(r);
+    bool finite = true;
+    for (int j = 0; j < r; ++j) {
+        tq->from_float(x + (size_t) j * n_embd, &xq[j * xrow], n_embd);
+        dequant(&xq[j * xrow], ad.data(), n_embd);
+        float amax = 0.0f;
+        for (float v : ad) {
+            finite = finite && std::isfinite(v);
+            amax = std::max(amax, std::fabs(v));
+        }
+        if (!finite) {
+            break;
+        }
+        d[j] = amax > 0.0f ? amax / 127.0f : 1.0f;
+        double n2 = 0.0, e2 = 0.0;
+        int32_t s = 0;
+        for (int i = 0; i < n_embd; ++i) {
+            const int k = std::clamp((int) std::lround(ad[i] / d[j]), -127, 127);
+            a[(size_t) j * n_pad + i] = (int8_t) k;
+            s += k;
+            const double c = (double) d[j] * k;
+            n2 += (double) ad[i] * ad[i];
+            e2 += (ad[i] - c) * (ad[i] - c);
+        }
+        sum[j] = s;
+        na[j] = (float) (std::sqrt(n2) * (1.0 + 1e-6));
+        ea[j] = (float) (std::sqrt(e2) * (1.0 + 1e-6));
+    }
+    const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+    auto exact = [&](int v, int j) {
+        float out;
+        vec_dot(n_embd, &out, 0, (const char *) w->data + (size_t) v * w->nb[1], 0, &xq[j * xrow], 0, 1);
+        return out;
+    };
+    if (!finite) {
+#pragma omp parallel for num_threads(nth) schedule(static)
+        for (int v = 0; v < n_vocab; ++v) {
+            for (int j = 0; j < r; ++j) {
+                y[(size_t) j * n_vocab + v] = exact(v, j);
+            }
+        }
+        return (long) n_vocab * r;
+    }
+#ifndef GREEDY_VNNI
+    throw std::logic_error("the greedy head has no kernel on this CPU");
+#else
+    auto bounds = [&](int t) {  // thread t's rows of the matrix, in whole tiles
+        return t == nth ? n_vocab : (int) ((int64_t) n_vocab * t / nth) / 4 * 4;
+    };
+    // pass 1: every token's upper bound into y; per thread and row, the token with the largest estimate
+    std::vector<std::pair<float, int>> best((size_t) nth * r, {-INFINITY, 0});
+#    pragma omp parallel for num_threads(nth) schedule(static, 1)
+    for (int t = 0; t < nth; ++t) {
+        constexpr int CHUNK = 256;
+        std::vector<int32_t> dots((size_t) CHUNK * r);
+        std::vector<float> est(CHUNK);
+        for (int c0 = bounds(t); c0 < bounds(t + 1); c0 += CHUNK) {
+            const int c1 = std::min(c0 + CHUNK, bounds(t + 1));
+            dots_vnni(q.data(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
+            for (int j = 0; j < r; ++j) {
+                const int32_t * dj = &dots[(size_t) j * CHUNK];
+                float * yj = &y[(size_t) j * n_vocab];
+                const int32_t off = 128 * sum[j];
+                float top = -INFINITY;
+                for (int v = c0; v < c1; ++v) {
+                    const float e = (float) (dj[v - c0] - off) * (scale[v] * d[j]);
+                    est[v - c0] = e;
+                    top = std::max(top, e);
+                    yj[v] = e + err[v] * na[j] + norm[v] * ea[j];
+                }
+                auto & b = best[(size_t) t * r + j];
+                if (top > b.first) {
+                    b = {top, c0 + (int) (std::find(est.begin(), est.begin() + (c1 - c0), top) - est.begin())};
+                }
+            }
+        }
+    }
+    // the best estimate's exact logit: every token whose bound is below it is not the argmax
+    std::vector<float> floor(r);
+    for (int j = 0; j < r; ++j) {
+        std::pair<float, int> b = best[j];
+        for (int t = 1; t < nth; ++t) {
+            b = std::max(b, best[(size_t) t * r + j]);
+        }
+        floor[j] = exact(b.second, j);
+    }
+    // pass 2: the exact logit of every token that could reach it (NaN bounds included), -inf for the rest
+    long n_exact = 0;
+#    pragma omp parallel for num_threads(nth) schedule(static, 1) reduction(+ : n_exact)
+    for (int t = 0; t < nth; ++t) {
+        for (int j = 0; j < r; ++j) {
+            n_exact += keep_candidates(&y[(size_t) j * n_vocab], bounds(t), bounds(t + 1), floor[j],
+                                       [&](int v) { return exact(v, j); });
+        }
+    }
+    return n_exact;
+#endif
+}

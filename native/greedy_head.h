@@ -1,0 +1,36 @@
+// The LM head of a greedy row. A greedy step (temperature 0, no controls) reads only its row's argmax, and on a CPU
+// the exact logits of a 262k-token vocabulary cost as much as the rest of a verify row. An int8 copy of the output
+// matrix with one scale per row gives every logit within a bound (Cauchy-Schwarz on the roundings of the matrix and
+// of the activation); only the tokens whose bound reaches the best exact logit found get their exact logit, from
+// ggml's vec_dot, the bits of the full head. Their logits and -inf elsewhere: the row's argmax is the full row's,
+// ties included (docs/lossless.md).
+
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <vector>
+
+class GreedyHead {
+public:
+    // Matrices whose vec_dot meets q8_0 activations (q8_0, q5_0, q4_0: integer sums times the two scales), on CPUs
+    // with AVX512-VNNI (the int8 pass has no other kernel yet); host memory.
+    static bool supported(const ggml_tensor * w);
+    GreedyHead(const ggml_tensor * w, int nth);  // builds the copy: n_vocab x n_embd bytes
+    // r final-norm rows x [r, n_embd] into y [r, n_vocab]: the exact logit of every token that could be the row's
+    // largest, -inf elsewhere; a row with a value that is not finite gets every logit. Returns the exact logits
+    // computed.
+    long compute(const float * x, float * y, int r, int nth);
+    size_t bytes() const { return q.size() + 3 * scale.size() * sizeof(float); }
+
+private:
+    const ggml_tensor * w;
+    int n_embd, n_vocab, n_pad;  // n_pad: n_embd rounded up to 64 bytes
+    std::vector<uint8_t> q;      // [n_vocab, n_pad]: round(row / scale) + 128, padding 128, in tiles of 4 rows
+    std::vector<float> scale;    // per row: its largest |value| / 127
+    std::vector<float> err;      // per row: |row - scale q| plus a margin for float rounding (see greedy_head.cpp)
+    std::vector<float> norm;     // per row: |scale q|
+
+    void exact_rows(const float * x, float * y, int r, int nth);
+};
