@@ -160,7 +160,8 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tr
 def test_an_idle_engine_gives_a_bursts_memory_back(gemma_target, gemma_drafter):
     """Engine.trim: a burst of four slots' full blocks grows the per-decode buffers (a megabyte of logits per row
     of gemma's 262k vocabulary, in llama.cpp's output buffers and ours, and the compute buffers as far as the
-    largest graph); trimmed, the engine is back to its size after loading and generates as before."""
+    largest graph); trimmed, the engine is back to its size after loading, plus the greedy head its first decode
+    built (a cache like the weights), and generates as before."""
     e = Engine(gemma_target, gemma_drafter, n_ctx=1024, n_slots=4, draft_policy="fixed")
     jobs = {k: dict(prompt=p, max_tokens=32) for k, p in enumerate(BURST)}
     loaded = rss_mib()
@@ -169,7 +170,8 @@ def test_an_idle_engine_gives_a_bursts_memory_back(gemma_target, gemma_drafter):
     e.trim()
     trimmed = rss_mib()
     assert grown - loaded > 40, (loaded, grown)  # what there is to give back
-    assert trimmed < loaded + 8, (loaded, grown, trimmed)
+    kept = e.session.greedy_head_bytes / 2**20
+    assert trimmed < loaded + kept + 8, (loaded, grown, trimmed, kept)
     again = interleave(e, jobs)
     assert {k: r[0].token_ids for k, r in again.items()} == {k: r[0].token_ids for k, r in first.items()}
 
