@@ -66,7 +66,7 @@ def main() -> None:
                 outputs.setdefault((on, p), out.token_ids)
                 n += len(out.token_ids)
             speed[on].append(n / (time.perf_counter() - t0))
-    s.set_greedy_head(True)
+    s.set_greedy_head(None)
     same = sum(outputs[(True, p)] == outputs[(False, p)] for p in prompts)
     print("plain decoding tokens/s, per round:")
     for on in (True, False):

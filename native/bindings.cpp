@@ -251,7 +251,10 @@ PYBIND11_MODULE(_native, m) {
         .def("set_capture", &Session::set_capture, py::arg("on"), py::arg("slot") = 0)
         .def("set_head_on_demand", &Session::set_head_on_demand, py::arg("on"))
         .def_property_readonly("head_on_demand", &Session::head_on_demand_active)
-        .def("set_greedy_head", &Session::set_greedy_head, py::arg("on"), py::call_guard<py::gil_scoped_release>())
+        .def("set_greedy_head", &Session::set_greedy_head, py::arg("on").none(true),
+             py::call_guard<py::gil_scoped_release>(),
+             "True: the greedy LM head wherever the head's type and the CPU allow; False: never; None (the default): "
+             "where the head is a quarter of the target's weights or more.")
         .def_property_readonly("greedy_head", &Session::greedy_head_active)
         .def_property_readonly("greedy_head_bytes", &Session::greedy_head_bytes)
         .def("greedy_logits", &Session::greedy_logits, py::arg("row"),

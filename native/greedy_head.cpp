@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -40,47 +41,71 @@ bool GreedyHead::supported(const ggml_tensor * w) {
            ggml_get_type_traits(w->type)->to_float && ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
 }
 
+#ifdef GREEDY_VNNI
+// One row of the copy: its bytes into the tile (the row's slot of each 256-byte chunk), and the sums of squares of
+// the row, of the copy and of their difference (16 float lanes; their rounding is far inside the bound's margin).
+__attribute__((target("avx512f"))) static void quantize_row(const float * x, int n_pad, uint8_t * tile, float & scale,
+                                                          double & e2, double & n2, double & w2) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n_pad; i += 16) {
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    }
+    const float amax = _mm512_reduce_max_ps(m);
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / s), sv = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.0f);
+    __m512 e = _mm512_setzero_ps(), n = e, w = e;
+    for (int i = 0; i < n_pad; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xv, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        k = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), k));  // NaN: caught below
+        const __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(k, _mm512_set1_ps(128.0f))));
+        _mm_storeu_si128((__m128i *) (tile + 256 * (i / 64) + i % 64), b);
+        const __m512 c = _mm512_mul_ps(sv, k);
+        const __m512 d = _mm512_sub_ps(xv, c);
+        e = _mm512_fmadd_ps(d, d, e);
+        n = _mm512_fmadd_ps(c, c, n);
+        w = _mm512_fmadd_ps(xv, xv, w);
+    }
+    scale = s;
+    e2 = _mm512_reduce_add_ps(e);
+    n2 = _mm512_reduce_add_ps(n);
+    w2 = _mm512_reduce_add_ps(w);
+}
+#endif
+
 GreedyHead::GreedyHead(const ggml_tensor * w, int nth)
-    : w(w), n_embd((int) w->ne[0]), n_vocab((int) w->ne[1]), n_pad(((int) w->ne[0] + 63) / 64 * 64) {
-    q.assign((size_t) (n_vocab + 3) / 4 * 4 * n_pad, 128);
+    : w(w), n_embd((int) w->ne[0]), n_vocab((int) w->ne[1]), n_pad(((int) w->ne[0] + 63) / 64 * 64),
+      n_bytes((size_t) (n_vocab + 3) / 4 * 4 * n_pad), q(new uint8_t[n_bytes]) {  // written by the threads below
+    for (int v = n_vocab; v % 4; ++v) {  // the last tile's missing rows: zeros
+        for (int c0 = 0; c0 < n_pad; c0 += 64) {
+            std::memset(&q[(size_t) (v / 4) * 4 * n_pad + 4 * c0 + 64 * (v % 4)], 128, 64);
+        }
+    }
     scale.resize(n_vocab);
     err.resize(n_vocab);
     norm.resize(n_vocab);
+#ifdef GREEDY_VNNI
     const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
-#pragma omp parallel num_threads(nth)
+#    pragma omp parallel num_threads(nth)
     {
-        std::vector<float> row(n_embd);
-#pragma omp for schedule(static)
+        std::vector<float> row(n_pad, 0.0f);  // padding: zeros, which add nothing
+#    pragma omp for schedule(static)
         for (int v = 0; v < n_vocab; ++v) {
             to_float((const char *) w->data + (size_t) v * w->nb[1], row.data(), n_embd);
-            float amax = 0.0f;
-            bool finite = true;
-            for (float x : row) {
-                finite = finite && std::isfinite(x);
-                amax = std::max(amax, std::fabs(x));
-            }
-            if (!finite) {  // a broken row is always computed exactly
+            uint8_t * tile = &q[(size_t) (v / 4) * 4 * n_pad + 64 * (v % 4)];  // dots_vnni's order
+            double e2, n2, w2;
+            quantize_row(row.data(), n_pad, tile, scale[v], e2, n2, w2);
+            if (!std::isfinite(e2 + n2 + w2)) {  // a broken row is always computed exactly
                 scale[v] = 0.0f;
                 err[v] = std::numeric_limits<float>::infinity();
                 norm[v] = 0.0f;
                 continue;
             }
-            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-            uint8_t * tile = &q[(size_t) (v / 4) * 4 * n_pad + 64 * (v % 4)];  // dots_vnni's order
-            double e2 = 0.0, n2 = 0.0, w2 = 0.0;
-            for (int i = 0; i < n_embd; ++i) {
-                const int k = std::clamp((int) std::lround(row[i] / s), -127, 127);
-                tile[256 * (i / 64) + i % 64] = (uint8_t) (k + 128);
-                const double c = (double) s * k;
-                e2 += (row[i] - c) * (row[i] - c);
-                n2 += c * c;
-                w2 += (double) row[i] * row[i];
-            }
-            scale[v] = s;
-            err[v] = (float) ((std::sqrt(e2) + ROUNDING_MARGIN * std::sqrt(w2)) * (1.0 + 1e-6));
-            norm[v] = (float) (std::sqrt(n2) * (1.0 + 1e-6));
+            err[v] = (float) ((std::sqrt(e2) + ROUNDING_MARGIN * std::sqrt(w2)) * (1.0 + 1e-3));
+            norm[v] = (float) (std::sqrt(n2) * (1.0 + 1e-3));
         }
     }
+#endif
 }
 
 #ifdef GREEDY_VNNI
@@ -179,12 +204,14 @@ long GreedyHead::compute(const float * x, float * y, int r, int nth) {
         tq->from_float(x + (size_t) j * n_embd, &xq[j * xrow], n_embd);
         dequant(&xq[j * xrow], ad.data(), n_embd);
         float amax = 0.0f;
+        bool row_finite = true;
         for (float v : ad) {
-            finite = finite && std::isfinite(v);
+            row_finite = row_finite && std::isfinite(v);
             amax = std::max(amax, std::fabs(v));
         }
-        if (!finite) {
-            break;
+        if (!row_finite) {  // every row still converted: the exact pass below reads them all
+            finite = false;
+            continue;
         }
         d[j] = amax > 0.0f ? amax / 127.0f : 1.0f;
         double n2 = 0.0, e2 = 0.0;
@@ -231,7 +258,7 @@ long GreedyHead::compute(const float * x, float * y, int r, int nth) {
         std::vector<float> est(CHUNK);
         for (int c0 = bounds(t); c0 < bounds(t + 1); c0 += CHUNK) {
             const int c1 = std::min(c0 + CHUNK, bounds(t + 1));
-            dots_vnni(q.data(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
+            dots_vnni(q.get(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
             for (int j = 0; j < r; ++j) {
                 const int32_t * dj = &dots[(size_t) j * CHUNK];
                 float * yj = &y[(size_t) j * n_vocab];

@@ -10,6 +10,7 @@
 #include "ggml.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 class GreedyHead {
@@ -22,12 +23,13 @@ public:
     // largest, -inf elsewhere; a row with a value that is not finite gets every logit. Returns the exact logits
     // computed.
     long compute(const float * x, float * y, int r, int nth);
-    size_t bytes() const { return q.size() + 3 * scale.size() * sizeof(float); }
+    size_t bytes() const { return n_bytes + 3 * scale.size() * sizeof(float); }
 
 private:
     const ggml_tensor * w;
     int n_embd, n_vocab, n_pad;  // n_pad: n_embd rounded up to 64 bytes
-    std::vector<uint8_t> q;      // [n_vocab, n_pad]: round(row / scale) + 128, padding 128, in tiles of 4 rows
+    size_t n_bytes;
+    std::unique_ptr<uint8_t[]> q;  // [n_vocab, n_pad]: round(row / scale) + 128, padding 128, in tiles of 4 rows
     std::vector<float> scale;    // per row: its largest |value| / 127
     std::vector<float> err;      // per row: |row - scale q| plus a margin for float rounding (see greedy_head.cpp)
     std::vector<float> norm;     // per row: |scale q|

@@ -613,21 +613,21 @@ void Session::trim() {
 #endif
 }
 
-// The greedy head pays where the LM head is a large part of a verify row: a quarter of the target's weights or more.
+// By default the greedy head is built where it pays, where the LM head is a large part of a verify row: a quarter of
+// the target's weights or more; asked for, wherever the head and CPU allow.
 void Session::build_greedy_head() {
-    if (greedy_head_on && head_w && !greedy_head && GreedyHead::supported(head_w) &&
-        4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model)) {
+    if (greedy_head_mode == 0 || !head_w || greedy_head || !GreedyHead::supported(head_w)) {
+        return;
+    }
+    if (greedy_head_mode == 1 || 4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model)) {
         greedy_head = std::make_unique<GreedyHead>(head_w, (int) llama_n_threads_batch(ctx_tgt));
     }
 }
 
-void Session::set_greedy_head(bool on) {
-    greedy_head_on = on;
-    if (on) {
-        build_greedy_head();
-    } else {
-        greedy_head.reset();
-    }
+void Session::set_greedy_head(std::optional<bool> on) {
+    greedy_head_mode = on ? (int) *on : -1;
+    greedy_head.reset();
+    build_greedy_head();
 }
 
 // Logits of one output row of the last target decode (rows of a verify batch: 0 = after `last`).

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -130,8 +131,9 @@ public:
     // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
     void set_head_on_demand(bool on) { head_on_demand = on; }
     bool head_on_demand_active() const { return head_on_demand && head_w; }
-    // Whether greedy rows of verify batches compute only their argmax (greedy_head.h; on by default where it pays).
-    void set_greedy_head(bool on);
+    // Whether greedy rows compute only their argmax (greedy_head.h): true wherever the head's type and the CPU allow,
+    // false never, none (the default) where the head is a large part of the target.
+    void set_greedy_head(std::optional<bool> on);
     bool greedy_head_active() const { return head_on_demand_active() && greedy_head != nullptr; }
     size_t greedy_head_bytes() const { return greedy_head ? greedy_head->bytes() : 0; }
 
@@ -297,7 +299,7 @@ private:
     // The greedy LM head (greedy_head.h), where the output matrix is at least a quarter of the target's weights
     // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, marked in
     // row_pruned; logits() computes such a row in full.
-    bool greedy_head_on = true;
+    int greedy_head_mode = -1;         // -1: where it pays, 0: off, 1: wherever it can
     std::unique_ptr<GreedyHead> greedy_head;
     std::vector<char> row_pruned;      // [hidden_rows]
 

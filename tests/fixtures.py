@@ -220,9 +220,10 @@ def _add_hparams(w, **shape):
 
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
                       head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE,
-                      chat_template: str | None = CHATML_TEMPLATE, eos=None) -> Path:
+                      chat_template: str | None = CHATML_TEMPLATE, eos=None, head_type=None) -> Path:
     """Random-weight qwen3 model with a real tiny BPE tokenizer; chat_template=None writes none. `eos` makes another
-    token the end-of-generation token (the weights, so the logits, stay the same)."""
+    token the end-of-generation token (the weights, so the logits, stay the same). head_type (a
+    gguf.GGMLQuantizationType) quantizes the token embeddings and the LM head."""
     tok = build_tokenizer(vocab_size)
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
@@ -234,12 +235,16 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         _add_tokenizer(w, tok, chat_template, eos)
         # Unit-variance embeddings and strong residual branches keep the random model
         # chaotic enough that greedy decoding does not lock onto one token at once.
-        w.add_tensor("token_embd.weight", init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+        def vocab_rows(a):
+            return a if head_type is None else gguf.quants.quantize(a, head_type)
+
+        w.add_tensor("token_embd.weight",
+                     vocab_rows(init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32)), raw_dtype=head_type)
         for i in range(n_layer):
             _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=2.0)
         w.add_tensor("output_norm.weight", init.norm(n_embd))
         # separate (untied) head: a tied head mostly predicts the input token again
-        w.add_tensor("output.weight", init.linear(n_vocab, n_embd, gain=4.0))
+        w.add_tensor("output.weight", vocab_rows(init.linear(n_vocab, n_embd, gain=4.0)), raw_dtype=head_type)
 
     return write_gguf_atomic(path, "qwen3", fill)
 

@@ -2,8 +2,10 @@
 bound cannot rule out. The row's argmax, ties included, must be the full row's, so greedy decoding stays token-identical
 to plain decoding with the full head."""
 
+import gguf
 import numpy as np
 import pytest
+from fixtures import write_tiny_target
 from scripted import ScriptedDrafter
 
 from dflash_local import Engine, _native
@@ -47,14 +49,14 @@ def test_greedy_rows_keep_the_full_rows_argmax_and_their_exact_logits(gemma):
             s.truncate(p0)
         assert runs[0].tokens == runs[1].tokens
         assert runs[0].tokens == (own[1:18] if draft == own[1:17] else own[1:2])
-    s.set_greedy_head(True)
+    s.set_greedy_head(None)
 
 
 def test_the_greedy_head_is_built_where_it_pays_and_can_be_turned_off(gemma, tiny_target):
     s = gemma.session
     s.set_greedy_head(False)
     assert not s.greedy_head and s.greedy_head_bytes == 0
-    s.set_greedy_head(True)
+    s.set_greedy_head(None)  # the default: gemma's head pays
     assert s.greedy_head
     n_vocab, n_embd = gemma.target.n_vocab, gemma.target.n_embd
     assert s.greedy_head_bytes == n_vocab * n_embd + 3 * 4 * n_vocab  # one byte a weight, three floats a row
@@ -79,6 +81,37 @@ def test_greedy_generation_with_the_greedy_head_is_plain_decodings(gemma, seed):
         drafter = ScriptedDrafter(len(gemma.prompt_tokens(prompt)), base.token_ids, gemma.target.n_vocab, seed=seed)
         events = list(gemma.generate(prompt, max_tokens=40, external_drafter=drafter, ngram=False))
         outputs[on] = (base.token_ids, events[-1].token_ids)
-    gemma.session.set_greedy_head(True)
+    gemma.session.set_greedy_head(None)
     assert outputs[True] == outputs[False]
     assert outputs[True][0] == outputs[True][1]
+
+
+@pytest.mark.parametrize("head_type", ["Q8_0", "Q5_0", "Q4_0"])
+def test_tiny_q8_row_heads_with_a_vocabulary_in_no_whole_tiles(models_dir, head_type):
+    """The other head types whose rows meet q8_0 activations, and 333 tokens: the copy's last tile of 4 rows has
+    one; random weights, so flat rows with many near ties."""
+    path = write_tiny_target(models_dir / f"tiny-{head_type}-head.gguf", vocab_size=333,
+                             head_type=gguf.GGMLQuantizationType[head_type])
+    e = Engine(path, n_ctx=256)
+    s, n_vocab = e.session, e.target.n_vocab
+    assert n_vocab % 4 == 1
+    last = s.prefill(e.prompt_tokens("def total(values):"), GREEDY, 0)
+    assert not s.greedy_head  # by default: the head is a small part of this model
+    s.set_greedy_head(True)  # asked for: wherever it can
+    assert s.greedy_head
+    own = own_continuation(s, last, 13, GREEDY)
+    p0 = s.n_past
+    runs = []
+    for on in (True, False):
+        s.set_greedy_head(on)
+        runs.append(s.step(last, own[1:13], GREEDY, 1, 13))
+        if on:
+            for i in range(13):
+                g, f = s.greedy_logits(i), s.logits(i)
+                kept = np.isfinite(g)
+                assert np.array_equal(g[kept].view(np.uint32), f[kept].view(np.uint32))
+                assert kept[f == f.max()].all() and np.argmax(g) == np.argmax(f)
+        s.truncate(p0)
+    assert runs[0].tokens == runs[1].tokens == own[1:14]
+    s.set_greedy_head(None)
+    assert not s.greedy_head
