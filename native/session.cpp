@@ -1348,6 +1348,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     n_real_out = n_real_out < 0 ? n_outputs : n_real_out;
     const size_t width = layers.size() * (size_t) n_embd;
     lazy = on_demand && head_on_demand && head_w;
+    const bool greedy_range = std::exchange(head_greedy, false);  // for this decode only: step() sets it
     probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
     probe_prev = probe_w = nullptr;
     probe_tail = 0;
@@ -1389,7 +1390,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
         hidden_rows = n_real;
-        head_ranges = {{0, n_real, 0, head_first, head_greedy}};
+        head_ranges = {{0, n_real, 0, head_first, greedy_range}};
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;

@@ -294,7 +294,7 @@ private:
     };
     std::vector<HeadRange> head_ranges;
     int head_first = 1;                // the first head call's rows of the next decode's one range
-    bool head_greedy = false;          // and whether that range is greedy
+    bool head_greedy = false;          // and whether that range is greedy (the next decode's only)
     double head_ms = 0.0;              // time in compute_head since the step began
     // The greedy LM head (greedy_head.h), where the output matrix is at least a quarter of the target's weights
     // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, marked in
