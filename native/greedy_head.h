@@ -33,6 +33,4 @@ private:
     std::vector<float> scale;    // per row: its largest |value| / 127
     std::vector<float> err;      // per row: |row - scale q| plus a margin for float rounding (see greedy_head.cpp)
     std::vector<float> norm;     // per row: |scale q|
-
-    void exact_rows(const float * x, float * y, int r, int nth);
 };

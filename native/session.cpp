@@ -471,11 +471,13 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     std::vector<float> x, y;
-    for (bool greedy : {true, false}) {  // greedy ranges in one call, the others in another
+    // where the greedy head is built, greedy ranges in one call and the others in another; else all in one
+    auto pruned = [&](const HeadRange & h) { return h.greedy && greedy_head; };
+    for (bool greedy : {true, false}) {
         x.clear();
         for (size_t w = 0; w < which.size(); ++w) {
             const HeadRange & h = head_ranges[which[w]];
-            if (h.greedy == greedy) {
+            if (pruned(h) == greedy) {
                 x.insert(x.end(), &hidden[(size_t) (h.lo + h.done) * n_embd],
                          &hidden[(size_t) (h.lo + h.done + more[w]) * n_embd]);
             }
@@ -489,12 +491,12 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
         size_t off = 0;
         for (size_t w = 0; w < which.size(); ++w) {
             HeadRange & h = head_ranges[which[w]];
-            if (h.greedy != greedy) {
+            if (pruned(h) != greedy) {
                 continue;
             }
             std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
                         (size_t) more[w] * n_vocab * sizeof(float));
-            std::fill_n(&row_pruned[h.lo + h.done], more[w], (char) (greedy && greedy_head));
+            std::fill_n(&row_pruned[h.lo + h.done], more[w], (char) greedy);
             off += (size_t) more[w] * n_vocab;
             h.done += more[w];
         }
