@@ -470,7 +470,8 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
 double Session::head_more(const std::vector<size_t> & which, const std::vector<int> & more) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
-    std::vector<float> x, y;
+    std::vector<float> & x = head_x;
+    std::vector<float> & y = head_y;
     // where the greedy head is built, greedy ranges in one call and the others in another; else all in one
     auto pruned = [&](const HeadRange & h) { return h.greedy && greedy_head; };
     for (bool greedy : {true, false}) {
@@ -486,7 +487,9 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
         if (m_all == 0) {
             continue;
         }
-        y.resize((size_t) m_all * n_vocab);
+        if (y.size() < (size_t) m_all * n_vocab) {
+            y.resize((size_t) m_all * n_vocab);
+        }
         compute_head(x.data(), y.data(), m_all, greedy);
         size_t off = 0;
         for (size_t w = 0; w < which.size(); ++w) {
@@ -589,7 +592,8 @@ static void release_pages(const void * p, size_t bytes) {
 // largest graph reached). Only for contexts wholly on the CPU, whose buffers are plain host memory.
 void Session::trim() {
     LogScope log(verbose);
-    for (std::vector<float> * v : {&hidden, &head_logits, &feats, &cb_rows, &draft_rows, &lattice_rows}) {
+    for (std::vector<float> * v : {&hidden, &head_logits, &head_x, &head_y, &feats, &cb_rows, &draft_rows,
+                                  &lattice_rows}) {
         std::vector<float>().swap(*v);
     }
     std::vector<char>().swap(head_q);
@@ -1358,7 +1362,9 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     head_ranges.clear();
     if (lazy) {
         hidden.resize((size_t) n * n_embd);
-        head_logits.resize((size_t) n * tgt.n_vocab());
+        if (head_logits.size() < (size_t) n * tgt.n_vocab()) {  // only grows: rows are written before they are read
+            head_logits.resize((size_t) n * tgt.n_vocab());
+        }
         row_pruned.assign(n, 0);
     }
     feats.resize((size_t) n * width);

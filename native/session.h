@@ -302,6 +302,8 @@ private:
     int greedy_head_mode = -1;         // -1: where it pays, 0: off, 1: wherever it can
     std::unique_ptr<GreedyHead> greedy_head;
     std::vector<char> row_pruned;      // [hidden_rows]
+    // head_more's rows and logits: kept between calls, since a fresh 1 MB per row each call costs page faults
+    std::vector<float> head_x, head_y;
 
     const float * target_row(int i, bool full = false);
     void compute_head(const float * x_rows, float * y_rows, int r, bool greedy = false);
