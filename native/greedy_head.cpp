@@ -19,7 +19,8 @@
 // width). With the copy w' = s q and the activation requantized with one scale, a' = d q'',
 //   w . a = w' . a' + (w - w') . a + w' . (a - a'),  |(w - w') . a| <= |w - w'| |a|,  |w' . (a - a')| <= |w'| |a - a'|,
 // and w' . a' is an exact integer times s d. err adds 1e-3 |w| for the float rounding of both sides: upper bounds
-// ub >= logit, so every token whose logit could reach the best one found is computed exactly.
+// ub >= logit >= lb (the estimate minus the same margin), so every token whose logit could reach the largest lower
+// bound, and the best estimate's exact logit, is computed exactly.
 static constexpr double ROUNDING_MARGIN = 1e-3;
 
 static bool has_vnni() {
@@ -163,35 +164,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), optimize("unroll-loops")))
     }
 }
 
-// Tokens [v0, v1) of a row of bounds y: -inf where below floor, exact(v) elsewhere (NaN included). Returns how many.
-template <class F>
-__attribute__((target("avx512f"))) static long keep_candidates(float * y, int v0, int v1, float floor, F && exact) {
-    long n = 0;
-    const __m512 f = _mm512_set1_ps(floor), ninf = _mm512_set1_ps(-INFINITY);
-    int v = v0;
-    for (; v + 16 <= v1; v += 16) {
-        const __m512 e = _mm512_loadu_ps(y + v);
-        __mmask16 keep = _mm512_cmp_ps_mask(e, f, _CMP_NLT_UQ);
-        _mm512_storeu_ps(y + v, _mm512_mask_blend_ps(keep, ninf, e));
-        for (; keep; keep &= keep - 1) {
-            const int i = v + __builtin_ctz(keep);
-            y[i] = exact(i);
-            ++n;
-        }
-    }
-    for (; v < v1; ++v) {
-        if (y[v] < floor) {
-            y[v] = -INFINITY;
-        } else {
-            y[v] = exact(v);
-            ++n;
-        }
-    }
-    return n;
-}
 #endif
 
-long GreedyHead::compute(const float * x, float * y, int r, int nth) {
+// The candidates of r rows x: for each row, in token order, the tokens that could have its largest logit, with their
+// exact logits; every other token's logit is below the largest. A row with a value that is not finite gets every
+// token.
+void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector<std::pair<int, float>>> & out) {
     const ggml_type_traits_cpu * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     const ggml_to_float_t dequant = ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
     const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, n_embd);
@@ -234,14 +212,18 @@ long GreedyHead::compute(const float * x, float * y, int r, int nth) {
         vec_dot(n_embd, &out, 0, (const char *) w->data + (size_t) v * w->nb[1], 0, &xq[j * xrow], 0, 1);
         return out;
     };
+    out.assign(r, {});
     if (!finite) {
+        for (int j = 0; j < r; ++j) {
+            out[j].resize(n_vocab);
+        }
 #pragma omp parallel for num_threads(nth) schedule(static)
         for (int v = 0; v < n_vocab; ++v) {
             for (int j = 0; j < r; ++j) {
-                y[(size_t) j * n_vocab + v] = exact(v, j);
+                out[j][v] = {v, exact(v, j)};
             }
         }
-        return (long) n_vocab * r;
+        return;
     }
 #ifndef GREEDY_VNNI
     throw std::logic_error("the greedy head has no kernel on this CPU");
@@ -249,26 +231,38 @@ long GreedyHead::compute(const float * x, float * y, int r, int nth) {
     auto bounds = [&](int t) {  // thread t's rows of the matrix, in whole tiles
         return t == nth ? n_vocab : (int) ((int64_t) n_vocab * t / nth) / 4 * 4;
     };
-    // pass 1: every token's upper bound into y; per thread and row, the token with the largest estimate
+    // pass 1, per thread and row: the largest lower bound so far (a logit the row's largest reaches), the tokens
+    // whose upper bound reaches it when seen (with that bound), and the token with the largest estimate
+    std::vector<std::vector<std::pair<int, float>>> seen((size_t) nth * r);
+    std::vector<float> low((size_t) nth * r, -INFINITY);
     std::vector<std::pair<float, int>> best((size_t) nth * r, {-INFINITY, 0});
 #    pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
         constexpr int CHUNK = 256;
         std::vector<int32_t> dots((size_t) CHUNK * r);
-        std::vector<float> est(CHUNK);
+        std::vector<float> est(CHUNK), ub(CHUNK);
         for (int c0 = bounds(t); c0 < bounds(t + 1); c0 += CHUNK) {
             const int c1 = std::min(c0 + CHUNK, bounds(t + 1));
             dots_vnni(q.get(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
             for (int j = 0; j < r; ++j) {
                 const int32_t * dj = &dots[(size_t) j * CHUNK];
-                float * yj = &y[(size_t) j * n_vocab];
                 const int32_t off = 128 * sum[j];
                 float top = -INFINITY;
+                float lo = low[(size_t) t * r + j];
                 for (int v = c0; v < c1; ++v) {
                     const float e = (float) (dj[v - c0] - off) * (scale[v] * d[j]);
+                    const float margin = err[v] * na[j] + norm[v] * ea[j];  // NaN for a broken row: kept below
                     est[v - c0] = e;
+                    ub[v - c0] = e + margin;
                     top = std::max(top, e);
-                    yj[v] = e + err[v] * na[j] + norm[v] * ea[j];
+                    lo = e - margin > lo ? e - margin : lo;
+                }
+                low[(size_t) t * r + j] = lo;
+                auto & keep = seen[(size_t) t * r + j];
+                for (int v = c0; v < c1; ++v) {
+                    if (!(ub[v - c0] < lo)) {
+                        keep.push_back({v, ub[v - c0]});
+                    }
                 }
                 auto & b = best[(size_t) t * r + j];
                 if (top > b.first) {
@@ -277,24 +271,72 @@ long GreedyHead::compute(const float * x, float * y, int r, int nth) {
             }
         }
     }
-    // the best estimate's exact logit: every token whose bound is below it is not the argmax
+    // the threshold: the largest lower bound, or the best estimate's exact logit where larger; a token whose upper
+    // bound is below it has a logit below the row's largest
     std::vector<float> floor(r);
     for (int j = 0; j < r; ++j) {
         std::pair<float, int> b = best[j];
+        float lo = low[j];
         for (int t = 1; t < nth; ++t) {
             b = std::max(b, best[(size_t) t * r + j]);
+            lo = std::max(lo, low[(size_t) t * r + j]);
         }
-        floor[j] = exact(b.second, j);
+        const float e = exact(b.second, j);
+        floor[j] = e > lo ? e : lo;
     }
-    // pass 2: the exact logit of every token that could reach it (NaN bounds included), -inf for the rest
-    long n_exact = 0;
-#    pragma omp parallel for num_threads(nth) schedule(static, 1) reduction(+ : n_exact)
+    // pass 2: the exact logits of the tokens whose bound reaches it (NaN bounds included); the threads' tokens in
+    // order, thread after thread
+    std::vector<std::vector<std::pair<int, float>>> kept((size_t) nth * r);
+#    pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
         for (int j = 0; j < r; ++j) {
-            n_exact += keep_candidates(&y[(size_t) j * n_vocab], bounds(t), bounds(t + 1), floor[j],
-                                       [&](int v) { return exact(v, j); });
+            for (const auto & [v, u] : seen[(size_t) t * r + j]) {
+                if (!(u < floor[j])) {
+                    kept[(size_t) t * r + j].push_back({v, exact(v, j)});
+                }
+            }
         }
     }
-    return n_exact;
+    for (int j = 0; j < r; ++j) {
+        for (int t = 0; t < nth; ++t) {
+            const auto & k = kept[(size_t) t * r + j];
+            out[j].insert(out[j].end(), k.begin(), k.end());
+        }
+    }
 #endif
+}
+
+long GreedyHead::compute(const float * x, float * y, int r, int nth) {
+    std::vector<std::vector<std::pair<int, float>>> rows;
+    select(x, r, nth, rows);
+    long n = 0;
+    for (int j = 0; j < r; ++j) {
+        float * yj = y + (size_t) j * n_vocab;
+        std::fill(yj, yj + n_vocab, -INFINITY);
+        for (const auto & [v, e] : rows[j]) {
+            yj[v] = e;
+        }
+        n += (long) rows[j].size();
+    }
+    return n;
+}
+
+// The first token with the largest logit, as std::max_element finds it in the row compute() gives: a token below
+// the largest never changes what it finds, whatever else the row holds.
+void GreedyHead::argmax(const float * x, int32_t * tokens, int r, int nth) {
+    std::vector<std::vector<std::pair<int, float>>> rows;
+    select(x, r, nth, rows);
+    for (int j = 0; j < r; ++j) {
+        int best = 0;
+        float top = -INFINITY;  // token 0's, unless it is a candidate
+        for (const auto & [v, e] : rows[j]) {
+            if (v == 0) {  // where std::max_element starts
+                top = e;
+            } else if (top < e) {
+                best = v;
+                top = e;
+            }
+        }
+        tokens[j] = best;
+    }
 }

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 class GreedyHead {
@@ -23,6 +24,9 @@ public:
     // largest, -inf elsewhere; a row with a value that is not finite gets every logit. Returns the exact logits
     // computed.
     long compute(const float * x, float * y, int r, int nth);
+    // The argmax of each row's logits (the first of equal ones), the full head's, with no row written: what a greedy
+    // sampler takes from a row.
+    void argmax(const float * x, int32_t * tokens, int r, int nth);
     size_t bytes() const { return n_bytes + 3 * scale.size() * sizeof(float); }
 
 private:
@@ -33,4 +37,6 @@ private:
     std::vector<float> scale;    // per row: its largest |value| / 127
     std::vector<float> err;      // per row: |row - scale q| plus a margin for float rounding (see greedy_head.cpp)
     std::vector<float> norm;     // per row: |scale q|
+
+    void select(const float * x, int r, int nth, std::vector<std::vector<std::pair<int, float>>> & out);
 };

@@ -126,7 +126,7 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
         if (!s) {
             return LLAMA_TOKEN_NULL;
         }
-        return s->next(target_row(-1), index, cand);
+        return sample_row_of(-1, *s, index);
     });
 }
 
@@ -472,6 +472,7 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
     const int n_vocab = tgt.n_vocab();
     std::vector<float> & x = head_x;
     std::vector<float> & y = head_y;
+    std::vector<int32_t> best;
     // where the greedy head is built, greedy ranges in one call and the others in another; else all in one
     auto pruned = [&](const HeadRange & h) { return h.greedy && greedy_head; };
     for (bool greedy : {true, false}) {
@@ -487,20 +488,29 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
         if (m_all == 0) {
             continue;
         }
-        if (y.size() < (size_t) m_all * n_vocab) {
-            y.resize((size_t) m_all * n_vocab);
+        if (greedy) {
+            best.resize(m_all);
+            greedy_argmax(x.data(), best.data(), m_all);
+        } else {
+            if (y.size() < (size_t) m_all * n_vocab) {
+                y.resize((size_t) m_all * n_vocab);
+            }
+            compute_head(x.data(), y.data(), m_all);
         }
-        compute_head(x.data(), y.data(), m_all, greedy);
-        size_t off = 0;
+        int off = 0;
         for (size_t w = 0; w < which.size(); ++w) {
             HeadRange & h = head_ranges[which[w]];
             if (pruned(h) != greedy) {
                 continue;
             }
-            std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[off],
-                        (size_t) more[w] * n_vocab * sizeof(float));
+            if (greedy) {
+                std::copy_n(&best[off], more[w], &row_best[h.lo + h.done]);
+            } else {
+                std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[(size_t) off * n_vocab],
+                            (size_t) more[w] * n_vocab * sizeof(float));
+            }
             std::fill_n(&row_pruned[h.lo + h.done], more[w], (char) greedy);
-            off += (size_t) more[w] * n_vocab;
+            off += more[w];
             h.done += more[w];
         }
     }
@@ -598,6 +608,7 @@ void Session::trim() {
     }
     std::vector<char>().swap(head_q);
     std::vector<char>().swap(row_pruned);
+    std::vector<int32_t>().swap(row_best);
     n_out = feat_rows = hidden_rows = norm_seen = 0;  // the last decode's rows are gone
 #if defined(__linux__)
     auto release_buffer = [](ggml_backend_buffer_t buf) {  // noted only where in host memory
@@ -812,7 +823,11 @@ const float * Session::target_row(int i, bool full) {
         const int end = std::min(h->hi, std::max(i + 1, h->lo + (h->done ? 2 * h->done : h->first)));
         const int i0 = h->lo + h->done;
         const bool greedy = h->greedy && !full && greedy_head;
-        compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0, greedy);
+        if (greedy) {
+            greedy_argmax(&hidden[(size_t) i0 * n_embd], &row_best[i0], end - i0);
+        } else {
+            compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0);
+        }
         std::fill(&row_pruned[i0], &row_pruned[end], (char) greedy);
         h->done = end - h->lo;
     }
@@ -820,19 +835,31 @@ const float * Session::target_row(int i, bool full) {
         compute_head(&hidden[(size_t) i * n_embd], &head_logits[i * n_vocab], 1);
         row_pruned[i] = 0;
     }
-    return &head_logits[i * n_vocab];
+    return row_pruned[i] ? nullptr : &head_logits[i * n_vocab];
 }
 
-// The LM head of r final-norm rows x into their logits y (greedy: for their argmax only, where greedy_head is built).
-void Session::compute_head(const float * x_rows, float * y_rows, int r, bool greedy) {
+// The token the sampler takes from row i of the last target decode (as target_row counts rows): a pruned row's
+// argmax, which is what next() takes from a greedy sampler's row (and it takes nothing in), else next()'s.
+llama_token Session::sample_row_of(int i, Sampler & s, uint64_t index) {
+    const float * row = target_row(i);
+    if (!row) {
+        return row_best[i < 0 ? i + hidden_rows : i];
+    }
+    return s.next(row, index, cand);
+}
+
+// The argmax of r final-norm rows x of greedy ranges, by the greedy head.
+void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    greedy_head->argmax(x_rows, best, r, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+    head_ms += ms_since(t0);
+}
+
+// The LM head of r final-norm rows x into their logits y.
+void Session::compute_head(const float * x_rows, float * y_rows, int r) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     const int nth = (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
-    if (greedy && greedy_head) {
-        greedy_head->compute(x_rows, y_rows, r, nth);
-        head_ms += ms_since(t0);
-        return;
-    }
     if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
         head_vec_dot(x_rows, y_rows, r, nth);
         head_ms += ms_since(t0);
@@ -1269,10 +1296,9 @@ bool Session::accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool
         if (wait && a >= wait->done) {
             return false;
         }
-        const float * row = target_row(row0 + a);
         const llama_token t = rejection && a < (int) r.draft.size()
-                                  ? s.judge(row, r.draft[a], &sl.q_rows[a * n_vocab], index + a)
-                                  : s.next(row, index + a, cand);
+                                  ? s.judge(target_row(row0 + a), r.draft[a], &sl.q_rows[a * n_vocab], index + a)
+                                  : sample_row_of(row0 + a, s, index + a);
         r.tokens.push_back(t);
         if (a == (int) r.draft.size() || t != r.draft[a]) {
             r.n_accepted = a;
@@ -1366,6 +1392,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
             head_logits.resize((size_t) n * tgt.n_vocab());
         }
         row_pruned.assign(n, 0);
+        row_best.resize(n);
     }
     feats.resize((size_t) n * width);
     feat_rows = n;

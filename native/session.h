@@ -302,11 +302,14 @@ private:
     int greedy_head_mode = -1;         // -1: where it pays, 0: off, 1: wherever it can
     std::unique_ptr<GreedyHead> greedy_head;
     std::vector<char> row_pruned;      // [hidden_rows]
+    std::vector<int32_t> row_best;     // [hidden_rows] the argmax of a pruned row, whose logits are not written
     // head_more's rows and logits: kept between calls, since a fresh 1 MB per row each call costs page faults
     std::vector<float> head_x, head_y;
 
     const float * target_row(int i, bool full = false);
-    void compute_head(const float * x_rows, float * y_rows, int r, bool greedy = false);
+    llama_token sample_row_of(int i, Sampler & s, uint64_t index);
+    void compute_head(const float * x_rows, float * y_rows, int r);
+    void greedy_argmax(const float * x_rows, int32_t * best, int r);
     void build_greedy_head();
     double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
     void head_vec_dot(const float * x_rows, float * out, int r, int nth);
