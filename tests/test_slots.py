@@ -567,3 +567,98 @@ def test_drafts_of_several_slots_in_one_drafter_decode_are_each_slots_own(pair, 
         assert [len(d.tokens) for d in got] == [min(n, max_draft) for n in lengths]  # at most a block
     with pytest.raises(ValueError, match="slot 1 has two drafts"):
         batched.draft_batch([(1, lasts[1], 2)] * 2)
+
+
+def test_a_closed_runner_ends_its_generations_and_takes_no_more(tiny_target, tiny_drafter):
+    """Runner.close (the server's shutdown, the interpreter's exit): the generations in flight end after the round in
+    flight, their callers get the end of their events, the worker stops, and a new request is refused; the engine's
+    slots are free again."""
+    import asyncio
+
+    from dflash_local.server.runner import ClosedError, Runner
+
+    engine = alone(tiny_target, tiny_drafter, n_slots=2)
+
+    async def run():
+        runner = Runner(engine)
+        jobs = [runner.submit(engine.prepare(p, max_tokens=400)) for p in ("Once upon a", "Hello world")]
+        for job in jobs:
+            assert await job.next(60) is not None  # both are running
+        runner.close()
+        assert not runner._worker.is_alive()
+        for job in jobs:
+            events = []
+            while (ev := await job.next(10)) is not None:
+                events.append(ev)
+            assert not any(isinstance(ev, Finished) for ev in events)  # cut short, not run to their end
+        with pytest.raises(ClosedError):
+            runner.submit(engine.prepare("Hello", max_tokens=4))
+
+    asyncio.run(run())
+    assert engine.complete("Hello world", max_tokens=8).text == alone(tiny_target, tiny_drafter).complete(
+        "Hello world", max_tokens=8).text
+
+
+def test_a_script_that_exits_while_its_runner_generates_exits_cleanly(tiny_target, tiny_drafter):
+    """The interpreter's exit stops the runner first: a worker thread still inside llama.cpp when Python finalizes
+    would abort the process ("terminate called without an active exception")."""
+    import subprocess
+
+    script = f"""
+import asyncio
+from dflash_local import Engine
+from dflash_local.server.runner import Runner
+
+engine = Engine({str(tiny_target)!r}, {str(tiny_drafter)!r}, n_ctx=4096)
+
+async def main():
+    job = Runner(engine).submit(engine.prepare("Once upon a", max_tokens=4000))
+    await job.next(60)  # it runs; the script ends here
+
+asyncio.run(main())
+print("done")
+"""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "done" and "terminate" not in r.stderr
+
+
+def test_ctrl_c_ends_the_streams_in_flight_and_the_server(gemma_target, gemma_drafter):
+    """SIGINT (or SIGTERM) while requests stream: each generation ends at its next step, its stream with `[DONE]`,
+    and the server exits at once and cleanly, rather than after every generation's end (uvicorn's graceful
+    shutdown) or with a worker thread still in llama.cpp."""
+    import signal
+
+    # gemma: its streams of 4000 tokens would take a minute
+    with serve_process("-m", gemma_target, "-d", gemma_drafter, "-np", "2", "-c", "8192") as (url, proc):
+        started = [threading.Event(), threading.Event()]
+        ends, errors = [], []
+
+        def stream(i):
+            body = {"prompt": ["Once upon a", "Hello world"][i], "max_tokens": 4000, "stream": True}
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    lines = []
+                    for line in r.iter_lines():
+                        started[i].set()
+                        lines.append(line)
+                    ends.append([x for x in lines if x][-2:])
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(20)
+        exit_s = time.time() - t0
+        for t in threads:
+            t.join(20)
+        stderr = proc.stderr.read()
+    assert exit_s < 5, exit_s
+    assert not errors and [end[1] for end in ends] == ["data: [DONE]"] * 2
+    assert all(json.loads(end[0][6:])["choices"][0]["finish_reason"] is None for end in ends)  # cut, not finished
+    assert "Traceback" not in stderr and "terminate" not in stderr, stderr[-2000:]

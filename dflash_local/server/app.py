@@ -26,7 +26,7 @@ from .stream import sse_events
 from .tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from ..engine.engine import Engine, Finished, Generation
 from .metrics import Metrics
-from .runner import Job, QueueFullError, Runner
+from .runner import ClosedError, Job, QueueFullError, Runner
 from ..chat.tool_calls import ToolChoiceError
 
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
@@ -110,6 +110,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
 
         threading.Thread(target=load, name="dflash-load", daemon=True).start()
         yield
+        if state.runner is not None:  # the streams still open end after the round in flight
+            state.runner.close()
 
     app = FastAPI(title="dflash-local", version="0.1.0", lifespan=lifespan)
     app.state.dflash = state
@@ -204,6 +206,8 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     except QueueFullError as e:
         raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": "5"})
+    except ClosedError as e:
+        raise APIError(503, str(e), "unavailable_error", code="shutting_down")
     head = response_head(chat, state.alias)
     t0 = time.perf_counter()
     if body.stream:
@@ -250,9 +254,19 @@ def serve(args, load_engine: Callable[[], Engine], alias: str,
     n_predict = N_PREDICT if args.n_predict is None else args.n_predict
     app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict, args.reasoning_format,
                      load_without_drafter)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
-    server = uvicorn.Server(config)
     state = app.state.dflash
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C or SIGTERM: the generations in flight end at their next step, and their streams with them (as
+            # llama-server stops at once), rather than uvicorn waiting for each to its end
+            if state.runner is not None:
+                state.runner.close(wait=False)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                            timeout_graceful_shutdown=10)  # past a step's time: a backstop
+    server = Server(config)
 
     def stop_if_load_failed():
         state.loaded.wait()

@@ -10,13 +10,17 @@ slot's output is that of the request run alone (engine.py). On a CPU a round's d
 (8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take interrupts it if it
 has only begun (Engine.interrupt), its prompt goes first, and the round runs again. A caller that goes away sets its
 job's cancel flag; the worker stops that generation before its next step and frees the slot. When the last
-generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim).
+generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim). close()
+stops the worker after its round in flight (at the server's shutdown, and at the interpreter's exit): a thread still
+inside llama.cpp when Python finalizes would take the process down with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +29,10 @@ from ..engine.stats import StepStats
 
 
 class QueueFullError(RuntimeError):
+    pass
+
+
+class ClosedError(RuntimeError):
     pass
 
 
@@ -41,7 +49,10 @@ class Job:
 
     def put(self, ev) -> None:
         """From the worker thread: hand an event to the caller's event loop."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is left to read it
+            pass
 
     async def next(self, timeout: float | None = None):
         """The next engine event; None at the end; raises what the engine raised; TimeoutError on timeout."""
@@ -81,6 +92,7 @@ class Runner:
         self._last_used = [0] * len(engine.slots)
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
+        self._closed = False
 
     @property
     def waiting(self) -> int:
@@ -94,6 +106,8 @@ class Runner:
     def submit(self, generation: Generation) -> Job:
         job = Job(generation)
         with self._cv:
+            if self._closed:
+                raise ClosedError("the server is shutting down")
             # jobs a free slot is about to take do not count against the queue
             free = len(self.slots) - len(self._running)
             if len(self._waiting) >= self.max_queue + free:
@@ -104,8 +118,24 @@ class Runner:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="dflash-generate", daemon=True)
                 self._worker.start()
+                me = weakref.ref(self)  # the exit hook must not keep the runner (and its engine) alive
+                atexit.register(lambda: (runner := me()) is not None and runner.close())
             self._cv.notify()
         return job
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker once its round in flight ends: every running or waiting generation ends there (its caller
+        gets the end of its events), and no request is taken after. wait: until the worker has stopped."""
+        with self._cv:
+            self._closed = True
+            for job, _ in self._running.values():
+                job.cancel.set()
+            for job in self._waiting:
+                job.cancel.set()
+            self.engine.interrupt()  # a decode that has only begun is given up
+            self._cv.notify()
+        if wait and self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join()
 
     def _pick_slot(self, job: Job) -> int:
         """The free slot whose cache shares most with the prompt; among equals, the least recently used."""
@@ -157,12 +187,19 @@ class Runner:
         while True:
             with self._cv:
                 idle = not self._waiting and not self._running
-            if idle and ran:  # the memory of the last burst's batches goes back before waiting
+            if idle and ran and not self._closed:  # the memory of the last burst's batches goes back before waiting
                 self.engine.trim()
                 ran = False
             with self._cv:
-                while not self._waiting and not self._running:
+                while not self._waiting and not self._running and not self._closed:
                     self._cv.wait()
+                if self._closed:
+                    for job in self._waiting:
+                        job.put(_DONE)
+                    self._waiting.clear()
+            if self._closed and not self._running:
+                self.engine.interrupt(False)
+                return
             ran = True
             self._round()
 
@@ -172,7 +209,8 @@ class Runner:
         # each running generation goes on to its next step, or through one batch of its prompt (a request that
         # arrives meanwhile starts before the next slot's turn), the drafts they ask the drafter for are made
         # together, then the steps of all of them run in one target decode
-        requests, self._again = self._again, []
+        # an interrupted round's steps run again, but not those of a generation cancelled meanwhile: it ends below
+        requests, self._again = [q for q in self._again if not self._running[q.slot][0].cancel.is_set()], []
         turned = {q.slot for q in requests}
         drafts = []
         while True:
