@@ -802,7 +802,7 @@ py::array_t<float> Session::features() const {
 }
 
 // Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output). A row of a
-// greedy range may come back with only the logits its argmax needs, unless `full`.
+// greedy range comes back null, unless `full`: the greedy head gave only its argmax (row_best).
 const float * Session::target_row(int i, bool full) {
     if (hidden_rows == 0) {
         return logits_row(ctx_tgt, i < 0 ? i + n_rows : i, "target");  // the scratch row's are not ours
