@@ -306,19 +306,16 @@ void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector
 #endif
 }
 
-long GreedyHead::compute(const float * x, float * y, int r, int nth) {
+void GreedyHead::compute(const float * x, float * y, int r, int nth) {
     std::vector<std::vector<std::pair<int, float>>> rows;
     select(x, r, nth, rows);
-    long n = 0;
     for (int j = 0; j < r; ++j) {
         float * yj = y + (size_t) j * n_vocab;
         std::fill(yj, yj + n_vocab, -INFINITY);
         for (const auto & [v, e] : rows[j]) {
             yj[v] = e;
         }
-        n += (long) rows[j].size();
     }
-    return n;
 }
 
 // The first token with the largest logit, as std::max_element finds it in the row compute() gives: a token below

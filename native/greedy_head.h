@@ -21,9 +21,8 @@ public:
     static bool supported(const ggml_tensor * w);
     GreedyHead(const ggml_tensor * w, int nth);  // builds the copy: n_vocab x n_embd bytes
     // r final-norm rows x [r, n_embd] into y [r, n_vocab]: the exact logit of every token that could be the row's
-    // largest, -inf elsewhere; a row with a value that is not finite gets every logit. Returns the exact logits
-    // computed.
-    long compute(const float * x, float * y, int r, int nth);
+    // largest, -inf elsewhere; a row with a value that is not finite gets every logit.
+    void compute(const float * x, float * y, int r, int nth);
     // The argmax of each row's logits (the first of equal ones), the full head's, with no row written: what a greedy
     // sampler takes from a row.
     void argmax(const float * x, int32_t * tokens, int r, int nth);

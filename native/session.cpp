@@ -667,7 +667,7 @@ py::array_t<float> Session::greedy_logits(int row) {
     }
     LogScope log(verbose);
     py::array_t<float> out(tgt.n_vocab());
-    greedy_head->compute(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, (int) llama_n_threads(ctx_tgt));
+    greedy_head->compute(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, head_threads(1));
     return out;
 }
 
@@ -848,10 +848,15 @@ llama_token Session::sample_row_of(int i, Sampler & s, uint64_t index) {
     return s.next(row, index, cand);
 }
 
+// The threads of a head call of r rows: the decode's for one row, the batch's for more, as llama.cpp's own head.
+int Session::head_threads(int r) const {
+    return (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
+}
+
 // The argmax of r final-norm rows x of greedy ranges, by the greedy head.
 void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
     const auto t0 = std::chrono::steady_clock::now();
-    greedy_head->argmax(x_rows, best, r, (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt)));
+    greedy_head->argmax(x_rows, best, r, head_threads(r));
     head_ms += ms_since(t0);
 }
 
@@ -859,7 +864,7 @@ void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
 void Session::compute_head(const float * x_rows, float * y_rows, int r) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
-    const int nth = (int) (r > 1 ? llama_n_threads_batch(ctx_tgt) : llama_n_threads(ctx_tgt));
+    const int nth = head_threads(r);
     if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
         head_vec_dot(x_rows, y_rows, r, nth);
         head_ms += ms_since(t0);

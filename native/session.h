@@ -310,6 +310,7 @@ private:
     llama_token sample_row_of(int i, Sampler & s, uint64_t index);
     void compute_head(const float * x_rows, float * y_rows, int r);
     void greedy_argmax(const float * x_rows, int32_t * best, int r);
+    int head_threads(int r) const;
     void build_greedy_head();
     double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
     void head_vec_dot(const float * x_rows, float * out, int r, int nth);
