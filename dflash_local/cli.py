@@ -107,6 +107,27 @@ def _n_predict(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        t = 0.0
+    if not 0 < t < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return t
+
+
+def _max_tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 and n != -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token count (1 or more), or -1 for no limit (the end of "
+                                         f"the context)")
+    return n
+
+
 def _temperature(text: str) -> float:
     from .engine.sampling import check_temperature
 
@@ -274,7 +295,7 @@ def cmd_generate(args) -> int:
     if args.prompt is None:
         args.prompt = sys.stdin.read()
     kwargs = dict(
-        max_tokens=args.max_tokens,
+        max_tokens=None if args.max_tokens == -1 else args.max_tokens,
         stop=args.stop or (),
         temperature=args.temp,
         top_k=args.top_k,
@@ -454,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--system", help="system message (with --chat)")
     _chat_args(g)
-    g.add_argument("-n", "--max-tokens", type=int, default=256)
+    g.add_argument("-n", "--max-tokens", type=_max_tokens, default=256, help="tokens to generate (default 256; -1: "
+                   "until the context is full)")
     g.add_argument("--temp", type=_temperature, default=0.0, help="temperature (0 = greedy, the default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -478,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--n-predict", "--predict", type=_n_predict, metavar="N",
                    help="tokens to generate for a request that sets no max_tokens (default 2048; -1: until the "
                    "context is full)")
+    s.add_argument("-to", "--timeout", type=_seconds, default=600, metavar="N",
+                   help="seconds a client may leave its stream unread before its generation is cancelled and its "
+                   "slot freed (default 600, as llama-server's)")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page allowed to call the server from a browser, such as http://localhost:3000 "
+                   "(repeatable; '*' for any); by default only the server's own page")
     _chat_args(s)
     _reasoning_args(s, server=True)
     s.set_defaults(func=cmd_serve)

@@ -154,8 +154,9 @@ PYBIND11_MODULE(_native, m) {
         .def_property("verbose", [](const Model & mm) { return mm.verbose.load(); },
                       [](Model & mm, bool v) { mm.verbose = v; })
         .def("meta", &Model::meta)
+        // without the GIL: a long text takes a while, and the server's other threads go on meanwhile
         .def("tokenize", &Model::tokenize, py::arg("text"), py::arg("add_special") = true,
-             py::arg("parse_special") = false)
+             py::arg("parse_special") = false, py::call_guard<py::gil_scoped_release>())
         .def("piece", &Model::piece, py::arg("tok"), py::arg("special") = false)
         .def("is_eog", [](const Model & mm, llama_token t) { return llama_vocab_is_eog(mm.vocab, t); })
         .def_property_readonly("arch", &Model::arch)
@@ -184,7 +185,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("logit_bias") = std::vector<std::pair<llama_token, float>>{},
              py::arg("repeat_last_n") = 64, py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f,
              py::arg("presence_penalty") = 0.0f, py::arg("prompt") = std::vector<llama_token>{},
-             py::arg("grammar") = "", py::arg("n_logprobs") = -1, py::keep_alive<1, 2>())
+             py::arg("grammar") = "", py::arg("n_logprobs") = -1, py::keep_alive<1, 2>(),
+             py::call_guard<py::gil_scoped_release>())  // a grammar takes a while to load
         .def_property_readonly("has_grammar", &Sampler::has_grammar)
         .def("grammar_prefix", &Sampler::grammar_prefix)
         .def("take_logprobs", &Sampler::take_logprobs);

@@ -1,7 +1,6 @@
 """The OpenAI-compatible server, as a real HTTP server on 127.0.0.1 with the tiny fixture pair."""
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -443,12 +442,20 @@ def test_no_key_configured_accepts_any(tiny_target):
         s.stop()
 
 
-def test_cors_preflight(server):
-    r = httpx.options(server.url + "/v1/chat/completions", headers={
-        "Origin": "http://localhost:1337", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
-    assert r.status_code == 200
-    assert r.headers["access-control-allow-origin"] in ("*", "http://localhost:1337")
+def test_cors_preflight(tiny_engine):
+    # an app such as Jan calling from its own web view: refused unless its origin is allowed (cors_origins, the
+    # command's --cors-origin); tests/test_hostile.py has the rest
+    pre = {"Origin": "http://localhost:1337", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    for origins, status in (((), 403), (("http://localhost:1337",), 200), (("*",), 200)):
+        s = ServerThread(create_app(lambda: tiny_engine, "tiny", cors_origins=origins))
+        try:
+            r = httpx.options(s.url + "/v1/chat/completions", headers=pre)
+            assert r.status_code == status
+            if status == 200:
+                assert r.headers["access-control-allow-origin"] in ("*", "http://localhost:1337")
+        finally:
+            s.stop()
 
 
 def test_health_is_503_while_loading(tiny_target):
@@ -607,24 +614,6 @@ def test_metrics(server, client):
     assert "# TYPE dflash_requests_total counter" in text
 
 
-def test_schemathesis_finds_no_server_errors(tiny_target, tiny_drafter):
-    # a short context keeps each fuzzed generation short
-    engine = Engine(tiny_target, tiny_drafter, n_ctx=64)
-    s = ServerThread(create_app(lambda: engine, "tiny", api_key=KEY))
-    try:
-        s.wait_healthy()
-        r = subprocess.run(
-            # the venv's own, found also when its bin/ is not on PATH
-            [shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or "schemathesis", "run", s.url + "/openapi.json", "--checks",
-             "not_a_server_error", "--max-examples", "10", "--header", f"Authorization: Bearer {KEY}",
-             "--workers", "1", "--request-timeout", "120", "--suppress-health-check", "all", "--seed", "1"],
-            capture_output=True, text=True, timeout=900,
-        )
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    finally:
-        s.stop()
-
-
 def test_serve_command_on_gemma(gemma_target, gemma_drafter):
     with serve_command("-m", gemma_target, "-d", gemma_drafter, "--alias", "gemma") as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -704,8 +693,11 @@ def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_d
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read()
         assert "broken-drafter.gguf" in health.json()["drafter_error"]
-        spec = httpx.get(url + "/props", timeout=30).json()["speculative"]
+        props = httpx.get(url + "/props", timeout=30)
+        spec = props.json()["speculative"]
         assert spec["drafter"] is None and "broken-drafter.gguf" in spec["drafter_error"]
+        # clients see the file's name, not where it is on the server (/health needs no key)
+        assert str(tmp_path) not in health.text and str(tmp_path) not in props.text
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 12, "temperature": 0},
                        timeout=120)
         assert r.status_code == 200
@@ -714,7 +706,8 @@ def test_serve_stays_up_without_a_drafter_that_fails_to_load(tiny_target, tiny_d
     finally:
         proc.terminate()
         proc.wait(10)
-    assert "warning: the drafter failed to load" in proc.stderr.read()
+    log = proc.stderr.read()
+    assert "warning: the drafter failed to load" in log and str(tmp_path) in log  # the log has the whole path
 
 
 def test_a_chat_request_is_prepared_once(server, monkeypatch):

@@ -16,6 +16,7 @@ from .. import _native
 from ..chat import templates as chat
 from .drafter import Drafter, NativeDrafter, as_drafter
 from .grammar import grammar_of
+from .grammar_guard import GrammarGuard
 from ..gguf_file import GGUFInfo, read_gguf
 from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
@@ -109,6 +110,7 @@ class Generation:
     ngram: bool  # draft from repeats in the context too
     shown: frozenset[int]  # control tokens the output shows as text
     rejection: bool  # verify sampled drafts by speculative (rejection) sampling
+    cache_prompt: bool = True  # reuse the prefix of the prompt the slot's caches hold
 
 
 @dataclass
@@ -286,6 +288,9 @@ class Engine:
         self.batch_costs = BatchCosts()  # what a decode of several slots' steps costs, for their policies
         # the native session serves one call at a time: slots running in several threads take turns, a step each
         self._native = threading.Lock()
+        self.grammar_guard = GrammarGuard(model)
+        # no token spells more bytes than this: a text of more than n_ctx times it cannot fit the context
+        self.longest_token = max(len(self.target.piece(t, True)) for t in range(self.target.n_vocab))
 
     @property
     def cache(self) -> PromptCache:
@@ -417,6 +422,8 @@ class Engine:
         eos = self.target.piece(self.target.eos, True).decode(errors="replace") if self.target.eos >= 0 else ""
         if not isinstance(chat_template_kwargs or {}, dict):
             raise ValueError("chat_template_kwargs must be a dict of template variables")
+        if len(messages) > self.n_ctx:  # each message is a token at least: refused before the template runs
+            raise ContextOverflowError(f"{len(messages)} messages cannot fit the context of {self.n_ctx} tokens")
         variables = {**self.chat_template_kwargs, **(chat_template_kwargs or {})}
         return chat.render(messages, self.chat_template, self.target_info.arch, bos, eos, variables)
 
@@ -433,12 +440,19 @@ class Engine:
         the context."""
         if (prompt is None) == (chat_text is None):
             raise ValueError("give either a prompt or chat messages")
-        if chat_text is not None:
-            ids = self.tokenize(chat_text, special=True)
-        else:
-            if not isinstance(prompt, str):
-                raise ValueError("prompt must be a string")
-            ids = self.tokenize(prompt)
+        text = chat_text if chat_text is not None else prompt
+        if not isinstance(text, str):
+            raise ValueError("prompt must be a string")
+        try:
+            n_bytes = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ValueError("the prompt is not valid Unicode (it holds a lone surrogate)") from None
+        # checked before tokenizing, whose time grows faster than the text
+        if n_bytes > self.n_ctx * self.longest_token:
+            raise ContextOverflowError(
+                f"the prompt has {n_bytes} bytes, so at least {-(-n_bytes // self.longest_token)} tokens (no token "
+                f"spells more than {self.longest_token} bytes), but the context holds {self.n_ctx}")
+        ids = self.tokenize(text, special=chat_text is not None)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.n_ctx:
@@ -482,6 +496,7 @@ class Engine:
         preserved_tokens: list[str] | tuple[str, ...] = (),
         spec_sampling: str | None = None,
         block_size: int | None = None,
+        cache_prompt: bool = True,
     ) -> Generation:
         """Parse and check one generation's arguments: the prompt rendered and tokenized, the sampler built, the
         drafts chosen. A bad value raises ValueError (ParamError naming a sampling parameter or the grammar,
@@ -508,6 +523,8 @@ class Engine:
         block_size (default: the engine's) bounds this generation's drafter drafts as the engine's block size does:
         at least 1, and above the drafter's trained size it is the trained size. The n-gram drafts keep their own
         bound.
+
+        cache_prompt=False decodes the whole prompt, reusing nothing the slot's caches hold.
         """
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -516,8 +533,14 @@ class Engine:
             stop = [stop]
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
+        try:
+            grammar = grammar_of(grammar, json_schema)
+            if grammar:
+                self.grammar_guard.check(grammar)
+        except ValueError as e:
+            raise ParamError("grammar", str(e)) from None
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias, repeat_penalty, repeat_last_n,
-                                presence_penalty, frequency_penalty, grammar_of(grammar, json_schema))
+                                presence_penalty, frequency_penalty, grammar)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {logprobs!r}")
         prompt_text = self.chat_prompt(messages, chat_template_kwargs) if messages is not None else None
@@ -527,6 +550,8 @@ class Engine:
         except ParamError:
             raise
         except ValueError as e:  # the grammar did not parse
+            if not grammar:
+                raise
             raise ParamError("grammar", str(e)) from None
         drafter = None
         if draft:
@@ -541,7 +566,7 @@ class Engine:
             drafter, max_draft,
             # rejection sampling verifies the drafter's own distribution, which an n-gram draft does not have
             bool(self.ngram and draft and ngram and not rejection),
-            self.token_set(preserved_tokens), rejection,
+            self.token_set(preserved_tokens), rejection, cache_prompt,
         )
 
     def _check_rejection(self, drafter: Drafter, params: SamplingParams) -> None:
@@ -647,6 +672,8 @@ class Engine:
         try:
             ngram = NgramDrafter(self.ngram) if r.ngram else None
             drafter = r.drafter.for_slot(slot) if r.drafter is not None else None
+            if not r.cache_prompt:  # nothing in the caches matches: the prompt is decoded whole
+                sl.cache.clear()
             yield from self._generate(sl, r.ids, r.max_tokens, r.stop, r.sampler, r.logprobs, drafter, r.max_draft,
                                       ngram, r.shown, r.rejection)
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # llama.cpp's -ctk list
@@ -234,6 +235,22 @@ class _Extend(argparse.Action):
         setattr(namespace, self.dest, (getattr(namespace, self.dest) or []) + values)
 
 
+def _threads(text: str) -> int:
+    """A thread count: at least 1; past this machine's cores a warning, since llama.cpp's threads then wait on each
+    other at every operation (-t 1000 on 2 cores ran at a hundredth of the speed)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of threads, 1 or more")
+    cores = os.cpu_count() or 1
+    if n > cores:
+        print(f"dflash-local: warning: {n} threads on a machine with {cores} cores: llama.cpp's threads will wait on "
+              f"each other and run far slower than with {cores} or fewer", file=sys.stderr)
+    return n
+
+
 def add_placement_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("placement and memory (llama.cpp's flags)")
     g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0, metavar="N",
@@ -252,8 +269,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                    help="keep the expert weights of the first N layers on the CPU")
     g.add_argument("--no-mmap", action="store_true", help="read the weights into memory instead of mapping the file")
     g.add_argument("--mlock", action="store_true", help="keep the weights in RAM (no swapping)")
-    g.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads for generation (default: all cores)")
-    g.add_argument("-tb", "--threads-batch", type=int, metavar="N",
+    g.add_argument("-t", "--threads", type=_threads, metavar="N", help="CPU threads for generation (default: all "
+                   "cores)")
+    g.add_argument("-tb", "--threads-batch", type=_threads, metavar="N",
                    help="CPU threads for prompts and verify batches (default: -t)")
     g.add_argument("-b", "--batch-size", type=int, default=512, metavar="N",
                    help="most tokens in one target decode (default 512): prompt chunks, and verify blocks (the last "

@@ -22,6 +22,8 @@ from .. import _native
 # the temperature flattens what is left (the order here too). 100 only stops nonsense: that far up the draw is near
 # uniform over the tokens the filters keep, and a higher value would change little.
 MAX_TEMPERATURE = 100.0
+# llama.cpp keeps penalties and biases as 32-bit floats: a larger number would become infinity there
+FLOAT_MAX = 3.4028234663852886e38
 
 
 class ParamError(ValueError):
@@ -50,20 +52,20 @@ class SamplingParams:
 
     def __post_init__(self):
         check_temperature(self.temperature)
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             raise ParamError("top_k", f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is None:
             self.seed = int.from_bytes(os.urandom(8), "little")
-        if not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ParamError("seed", f"seed must be an integer, got {self.seed!r}")
         for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ParamError(name, f"{name} must be a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= FLOAT_MAX:
+                raise ParamError(name, f"{name} must be a number within +-{FLOAT_MAX:.4g}, got {v!r}")
         if self.repeat_penalty <= 0:
             raise ParamError("repeat_penalty", f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
         if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
@@ -99,7 +101,7 @@ class SamplingParams:
 
 
 def check_temperature(t) -> None:
-    if not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
         raise ParamError("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {t!r}")
 
 
@@ -124,8 +126,8 @@ def parse_logit_bias(bias) -> dict[int, float] | None:
             raise ParamError("logit_bias", f"logit_bias: {pair[0]!r} is not a token id")
         if b is False:
             b = -math.inf
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b == math.inf:
-            raise ParamError("logit_bias", f"logit_bias: the bias of token {tok} must be a number or false, "
-                                           f"got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (abs(b) <= FLOAT_MAX or b == -math.inf):
+            raise ParamError("logit_bias", f"logit_bias: the bias of token {tok} must be a number within "
+                                           f"+-{FLOAT_MAX:.4g} or false, got {b!r}")
         out[tok] = out.get(tok, 0.0) + float(b)
     return out

@@ -1,24 +1,28 @@
 """OpenAI-compatible HTTP server (`dflash-local serve`) over one engine, with DFlash drafting on by default.
 
-The routes are thin: the wire format is schema.py, errors errors.py, streaming stream.py, and runner.py runs the
-requests in the engine's slots (`-np`), the others waiting in its queue.
+The routes are thin: bodies are read by body.py, the wire format is schema.py, errors errors.py, streaming stream.py,
+and runner.py runs the requests in the engine's slots (`-np`), the others waiting in its queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import PurePath
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import output as chat_output
-from .errors import APIError, install_error_handlers
+from .body import body_limit, read_body
+from .errors import APIError, error_response, install_error_handlers
 from .logprobs import logprobs_body
 from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
 from .props import model_card, props, slots
@@ -32,14 +36,23 @@ from ..chat.tool_calls import ToolChoiceError
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
 # does not run on to the end of the context (docs/server.md)
 N_PREDICT = 2048
+# llama-server's --timeout: seconds a client may leave its stream unread before its generation is cancelled
+TIMEOUT = 600.0
+# an absolute path in a message (a load error names the file): clients are shown its file name only
+_PATH = re.compile(r"(?<![\w.~-])(?:/[^\s'\"/]+)+")
+
+
+def file_names(text: str | None) -> str | None:
+    return _PATH.sub(lambda m: PurePath(m.group()).name, text) if text else text
 
 
 class State:
     """What the app holds (the engine once loaded, or the loading error), and the checks every request goes through."""
 
     def __init__(self, alias: str, api_key: str | None, max_queue: int, n_predict: int,
-                 reasoning_format: str = "auto"):
+                 reasoning_format: str = "auto", timeout: float = TIMEOUT):
         self.alias = alias
+        self.timeout = timeout
         self.reasoning_format = reasoning_format
         self.api_key = api_key
         self.max_queue = max_queue
@@ -48,6 +61,7 @@ class State:
         self.runner: Runner | None = None
         self.error: str | None = None
         self.drafter_error: str | None = None  # the drafter failed to load: serving the target without it
+        self.shown_error: str | None = None  # the error, as clients see it
         self.loaded = threading.Event()
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -63,12 +77,21 @@ class State:
     def ready(self) -> Engine:
         if self.engine is None:
             if self.error:
-                raise APIError(503, f"the model failed to load: {self.error}", "server_error")
+                raise APIError(503, f"the model failed to load: {self.shown_error}", "server_error")
             raise APIError(503, "the model is still loading", "server_error", code="model_loading",
                            headers={"Retry-After": "2"})
         if self.runner is None:
-            self.runner = Runner(self.engine, self.max_queue)
+            self.runner = Runner(self.engine, self.max_queue, self.timeout)
         return self.engine
+
+    async def read(self, request: Request, model):
+        """A request's checks and its body: the key first, then the engine loaded, then the body (bounded by what a
+        prompt filling the context can take) as `model`, then its model name."""
+        self.check_key(request)
+        engine = self.ready()
+        body = await read_body(request, model, body_limit(engine.n_ctx, engine.longest_token), engine.n_ctx)
+        self.check_model(getattr(body, "model", None))
+        return engine, body
 
     def check_model(self, name: str | None) -> None:
         """A model name must be the alias or the target's file name."""
@@ -77,19 +100,44 @@ class State:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.alias}'",
                            param="model", code="model_not_found")
 
-    def admit(self, request: Request, body: GenerationRequest) -> Engine:
-        """A generation request's checks before its prompt is looked at: key, model name, engine loaded."""
-        self.check_key(request)
-        self.check_model(body.model)
-        return self.ready()
+
+
+class OriginCheck:
+    """A request from a web page (its Origin header) is served only if that page is the server's own or one allowed
+    with --cors-origin: otherwise any page the user visits could drive the server (a POST of text/plain needs no
+    CORS preflight)."""
+
+    def __init__(self, app, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, set(allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            own = origin.partition("://")[2] == headers.get(b"host", b"").decode("latin-1")
+            if origin and not own and origin not in self.allowed and "*" not in self.allowed:
+                await error_response(403, f"requests from the web page at {origin} are not allowed (start the server "
+                                          f"with --cors-origin {origin} to allow them)", "permission_error",
+                                     code="origin_not_allowed")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def openapi_body(model) -> dict:
+    """A route's request body in the OpenAPI document (routes read their bodies themselves: body.py)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | None = None,
                max_queue: int = 32, n_predict: int = N_PREDICT, reasoning_format: str = "auto",
-               load_without_drafter: Callable[[], Engine] | None = None) -> FastAPI:
+               load_without_drafter: Callable[[], Engine] | None = None, timeout: float = TIMEOUT,
+               cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """load_without_drafter: when load_engine fails and this loads, the fault was the drafter's: the server stays up
-    and serves the target with plain decoding (and n-gram drafts if asked), saying so in its log, /health and /props."""
-    state = State(alias, api_key, max_queue, n_predict, reasoning_format)
+    and serves the target with plain decoding (and n-gram drafts if asked), saying so in its log, /health and /props.
+    timeout: seconds a client may leave its stream unread; cors_origins: web pages (origins) allowed besides the
+    server's own ("*": any)."""
+    state = State(alias, api_key, max_queue, n_predict, reasoning_format, timeout)
 
     async def lifespan(app):
         def load():
@@ -106,6 +154,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
                     state.drafter_error, state.error = state.error, None
                     print(f"dflash-local: warning: the drafter failed to load: {state.drafter_error}; serving "
                           f"'{alias}' without it", file=sys.stderr)
+            # clients see file names, the log above the whole paths
+            state.drafter_error, state.shown_error = file_names(state.drafter_error), file_names(state.error)
             state.loaded.set()
 
         threading.Thread(target=load, name="dflash-load", daemon=True).start()
@@ -113,17 +163,33 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         if state.runner is not None:  # the streams still open end after the round in flight
             state.runner.close()
 
-    app = FastAPI(title="dflash-local", version="0.1.0", lifespan=lifespan)
+    # no /docs or /redoc (pages that fetch scripts from elsewhere); /openapi.json below, behind the key
+    app = FastAPI(title="dflash-local", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.dflash = state
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(OriginCheck, allowed=tuple(cors_origins))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        state.check_key(request)
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        return doc
 
     @app.get("/health")
     async def health():
         if state.engine is not None:
             return {"status": "ok"} | ({"drafter_error": state.drafter_error} if state.drafter_error else {})
         if state.error:
-            return JSONResponse({"status": "error", "error": state.error}, status_code=503)
+            return JSONResponse({"status": "error", "error": state.shown_error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -161,36 +227,43 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
             raise APIError(503, "no slot available", "unavailable_error")
         return slots(engine, tasks)
 
-    @app.post("/apply-template")
-    async def apply_template(body: ChatRequest, request: Request):
-        state.check_key(request)
+    # each route's work on the prompt (templates, tokenizing, a grammar's loading) runs off the event loop, so that
+    # other clients and /health are answered meanwhile
+    @app.post("/apply-template", openapi_extra=openapi_body(ChatRequest))
+    async def apply_template(request: Request):
+        engine, body = await state.read(request, ChatRequest)
         try:
-            return {"prompt": state.ready().chat_prompt(**body.prompt_kwargs())}
+            return {"prompt": await asyncio.to_thread(engine.chat_prompt, **body.prompt_kwargs())}
         except ValueError as e:  # the template refused the messages or the variables
-            raise APIError(400, str(e))
+            raise APIError(400, str(e), param="messages")
 
-    @app.post("/tokenize")
-    async def post_tokenize(body: TokenizeRequest, request: Request):
-        state.check_key(request)
-        return tokenize(state.ready(), body)
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def post_tokenize(request: Request):
+        engine, body = await state.read(request, TokenizeRequest)
+        return await asyncio.to_thread(tokenize, engine, body)
 
-    @app.post("/detokenize")
-    async def post_detokenize(body: DetokenizeRequest, request: Request):
-        state.check_key(request)
-        return detokenize(state.ready(), body)
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def post_detokenize(request: Request):
+        engine, body = await state.read(request, DetokenizeRequest)
+        return await asyncio.to_thread(detokenize, engine, body)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        engine = state.admit(request, body)
-        generation = body.prepare(engine, body.prompt_kwargs(), "messages", state.n_predict)
-        syntax = body.output_syntax(engine, generation.prompt_text, state.reasoning_format)
-        generation.shown = engine.token_set(syntax.preserved)  # the format's control tokens, shown to its parser
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
+    async def chat(request: Request):
+        engine, body = await state.read(request, ChatRequest)
+
+        def prepare():
+            generation = body.prepare(engine, body.prompt_kwargs(), "messages", state.n_predict)
+            syntax = body.output_syntax(engine, generation.prompt_text, state.reasoning_format)
+            generation.shown = engine.token_set(syntax.preserved)  # the format's control tokens, shown to its parser
+            return generation, syntax
+
+        generation, syntax = await asyncio.to_thread(prepare)
         return await respond(state, engine, body, request, generation, syntax)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        engine = state.admit(request, body)
-        generation = body.prepare(engine, body.prompt_kwargs(), "prompt", state.n_predict)
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request):
+        engine, body = await state.read(request, CompletionRequest)
+        generation = await asyncio.to_thread(body.prepare, engine, body.prompt_kwargs(), "prompt", state.n_predict)
         return await respond(state, engine, body, request, generation, None)
 
     return app
@@ -202,7 +275,9 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     `syntax` reads a chat completion's output (None for a text completion)."""
     chat = syntax is not None
     try:
-        job = state.runner.submit(generation)
+        job = state.runner.submit(generation, body.id_slot)
+    except ValueError as e:
+        raise APIError(400, str(e), param="id_slot")
     except QueueFullError as e:
         raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": "5"})
@@ -247,13 +322,27 @@ async def watch_disconnect(request: Request, job: Job) -> None:
         await asyncio.sleep(0.25)
 
 
+def idle_timeout_protocol():
+    """uvicorn's HTTP protocol, with its keep-alive timeout (5 s) from the moment a connection opens: uvicorn starts it
+    only after a response, so a connection that never sent a request stayed open for good."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Protocol(AutoHTTPProtocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    return Protocol
+
+
 def serve(args, load_engine: Callable[[], Engine], alias: str,
           load_without_drafter: Callable[[], Engine] | None = None) -> int:
     import uvicorn
 
     n_predict = N_PREDICT if args.n_predict is None else args.n_predict
     app = create_app(load_engine, alias, args.api_key, args.max_queue, n_predict, args.reasoning_format,
-                     load_without_drafter)
+                     load_without_drafter, args.timeout, tuple(args.cors_origin))
     state = app.state.dflash
 
     class Server(uvicorn.Server):
@@ -265,7 +354,8 @@ def serve(args, load_engine: Callable[[], Engine], alias: str,
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            timeout_graceful_shutdown=10)  # past a step's time: a backstop
+                            timeout_graceful_shutdown=10,  # past a step's time: a backstop
+                            http=idle_timeout_protocol())
     server = Server(config)
 
     def stop_if_load_failed():

@@ -9,8 +9,10 @@ request that arrives while others stream starts at the next round instead of aft
 slot's output is that of the request run alone (engine.py). On a CPU a round's decode can take longer than a prompt
 (8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take interrupts it if it
 has only begun (Engine.interrupt), its prompt goes first, and the round runs again. A caller that goes away sets its
-job's cancel flag; the worker stops that generation before its next step and frees the slot. When the last
-generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim). close()
+job's cancel flag, and so does a caller that leaves its events unread for `timeout` seconds (a client that stopped
+reading its stream: its socket's buffers are full); the worker stops that generation before its next step and frees
+the slot. A request may ask for a slot (llama-server's id_slot): it waits for that one, letting others by. When the
+last generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim). close()
 stops the worker after its round in flight (at the server's shutdown, and at the interpreter's exit): a thread still
 inside llama.cpp when Python finalizes would take the process down with it.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -40,23 +43,38 @@ _DONE = object()
 
 
 class Job:
-    def __init__(self, generation: Generation):
+    def __init__(self, generation: Generation, id_slot: int = -1):
         self.generation = generation
+        self.id_slot = id_slot  # the slot asked for (llama-server's id_slot), -1: any
         self.events: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.cancel = threading.Event()
         self.slot: int | None = None  # the slot it runs in, once it starts
+        # whether its caller is reading: a stream whose client stopped reading waits on the socket, not on next()
+        self.reading = False
+        self.last_read = time.monotonic()
+        self.unread = 0
 
     def put(self, ev) -> None:
         """From the worker thread: hand an event to the caller's event loop."""
+        self.unread += 1
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:  # the loop is closed: nobody is left to read it
             pass
 
+    def stalled(self, timeout: float) -> bool:
+        """Events have waited for the caller, who has not come to read them for `timeout` seconds."""
+        return self.unread > 0 and not self.reading and time.monotonic() - self.last_read > timeout
+
     async def next(self, timeout: float | None = None):
         """The next engine event; None at the end; raises what the engine raised; TimeoutError on timeout."""
-        ev = await asyncio.wait_for(self.events.get(), timeout)
+        self.reading = True
+        try:
+            ev = await asyncio.wait_for(self.events.get(), timeout)
+        finally:
+            self.reading, self.last_read = False, time.monotonic()
+        self.unread -= 1
         if ev is _DONE:
             return None
         if isinstance(ev, BaseException):
@@ -79,9 +97,12 @@ class Task:
 
 
 class Runner:
-    def __init__(self, engine: Engine, max_queue: int = 32):
+    def __init__(self, engine: Engine, max_queue: int = 32, timeout: float = 600.0):
+        """timeout: seconds a caller may leave its events unread (a client that stopped reading its stream) before
+        its generation is cancelled and its slot freed."""
         self.engine = engine
         self.max_queue = max_queue
+        self.timeout = timeout
         self.tasks = 0  # generations started, the last one's id
         self.slots: list[Task | None] = [None] * len(engine.slots)  # None until the slot's first generation
         self._waiting: deque[Job] = deque()
@@ -103,8 +124,12 @@ class Runner:
         """Slots running a generation."""
         return len(self._running)
 
-    def submit(self, generation: Generation) -> Job:
-        job = Job(generation)
+    def submit(self, generation: Generation, id_slot: int = -1) -> Job:
+        """Queue a generation, for the slot id_slot (-1: the best free one)."""
+        if not -1 <= id_slot < len(self.slots):
+            raise ValueError(f"id_slot {id_slot} is not a slot: this server has {len(self.slots)} (0..."
+                             f"{len(self.slots) - 1}), or -1 for any")
+        job = Job(generation, id_slot)
         with self._cv:
             if self._closed:
                 raise ClosedError("the server is shutting down")
@@ -113,7 +138,7 @@ class Runner:
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
-            if len(self._running) < len(self.slots):  # a slot can take it now: its prompt goes before the round
+            if self._free_for(job):  # a slot can take it now: its prompt goes before the round
                 self.engine.interrupt()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="dflash-generate", daemon=True)
@@ -137,9 +162,15 @@ class Runner:
         if wait and self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
 
-    def _pick_slot(self, job: Job) -> int:
-        """The free slot whose cache shares most with the prompt; among equals, the least recently used."""
+    def _free_for(self, job: Job) -> list[int]:
+        """The free slots the job may take."""
         free = [i for i in range(len(self.slots)) if i not in self._running]
+        return free if job.id_slot < 0 else [i for i in free if i == job.id_slot]
+
+    def _pick_slot(self, job: Job) -> int:
+        """The slot asked for, or else the free slot whose cache shares most with the prompt; among equals, the
+        least recently used."""
+        free = self._free_for(job)
         ids = job.generation.ids
         return max(free, key=lambda i: (self.engine.slots[i].cache.shared(ids), -self._last_used[i]))
 
@@ -172,8 +203,12 @@ class Runner:
         started = []
         with self._cv:
             self.engine.interrupt(False)  # whoever asked is being let in
-            while self._waiting and len(self._running) < len(self.slots):
-                job = self._waiting.popleft()
+            while True:
+                # the first waiting job a free slot can take (one waiting for a busy slot lets the others by)
+                job = next((j for j in self._waiting if j.cancel.is_set() or self._free_for(j)), None)
+                if job is None:
+                    break
+                self._waiting.remove(job)
                 if job.cancel.is_set():  # gave up while waiting
                     job.put(_DONE)
                     continue
@@ -254,6 +289,8 @@ class Runner:
         job, gen = self._running[slot]
         result = self._results.pop(slot, None)
         while True:
+            if job.stalled(self.timeout):  # its client stopped reading: the slot goes to someone who reads
+                job.cancel.set()
             if job.cancel.is_set():
                 self._end(slot)
                 return None

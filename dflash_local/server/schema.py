@@ -38,7 +38,34 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "ignore_eos": ((False,), "ignore_eos is not supported"),
     "n_probs": ((0,), "n_probs is not supported: use logprobs"),
     "post_sampling_probs": ((False,), "post-sampling probabilities are not supported"),
+    "min_tokens": ((0,), "min_tokens is not supported (llama.cpp has no minimum length; a logit_bias on the end "
+                         "token does it)"),
+    "n_cmpl": ((1,), "only n_cmpl=1 is supported"),
+    "n_indent": ((0,), "n_indent is not supported"),
+    "t_max_predict_ms": ((0, -1), "t_max_predict_ms is not supported"),
+    "n_cache_reuse": ((0,), "n_cache_reuse (KV shifting) is not supported"),
+    "min_keep": ((0,), "min_keep is not supported"),
+    "lora": (([],), "LoRA adapters are not supported"),
+    "return_tokens": ((False,), "return_tokens is not supported"),
+    "return_progress": ((False,), "return_progress is not supported"),
+    "timings_per_token": ((False,), "timings_per_token is not supported: the last chunk carries the timings"),
+    "response_fields": ((), "response_fields is not supported"),
+    "grammar_lazy": ((False,), "lazy grammars are not supported"),
+    "grammar_triggers": (([],), "grammar triggers are not supported"),
+    "preserved_tokens": (([],), "preserved_tokens is not supported"),
 }
+
+# llama-server's `samplers`: its names of the samplers (and their aliases) and its one-letter codes. This server's
+# chain is llama.cpp's default order; of the others only those whose parameters are refused unless neutral (above)
+# may be listed, since listed at a neutral value they do nothing.
+SAMPLERS = {"penalties": "e", "dry": "d", "top_n_sigma": "s", "top_k": "k", "typ_p": "y", "top_p": "p", "min_p": "m",
+            "xtc": "x", "temperature": "t", "infill": "i", "adaptive_p": "a"}
+SAMPLER_ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"} | {
+    alias: name for name in SAMPLERS for alias in (name.replace("_", "-"), name.replace("_", ""))}
+CHAIN = "ekpmt"  # penalties, top_k, top_p, min_p, temperature: what sample_row applies, in this order
+NEUTRAL = {"e": {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}, "k": {"top_k": 0},
+           "p": {"top_p": 1.0}, "m": {"min_p": 0.0}, "t": {"temperature": 1.0}}  # without a temperature sampler,
+# llama.cpp draws from the logits as they are: temperature 1
 
 
 class GenerationRequest(BaseModel):
@@ -48,6 +75,15 @@ class GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    # llama-server's fields: n_predict over max_tokens (-1: no limit); n_keep and n_discard only matter to context
+    # shifting, which llama-server leaves off by default and this server does not do (a generation ends at the
+    # context's end); cache_prompt false decodes the whole prompt; id_slot picks the slot (-1: any)
+    n_predict: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    n_keep: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    n_discard: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    cache_prompt: bool = True
+    id_slot: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    samplers: list[str] | str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # above OpenAI's 2, as llama-server (sampling.py)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -84,7 +120,11 @@ class GenerationRequest(BaseModel):
             elif kind == "json_schema":
                 wrapper = rf.get("json_schema")
                 schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
-                schema, param = schema if schema is not None else {}, "response_format"
+                if schema is None:
+                    raise APIError(400, 'a response_format of type "json_schema" needs its schema: '
+                                        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                                   param="response_format")
+                param = "response_format"
             elif kind != "text":
                 raise APIError(400, 'response_format type must be "text", "json_object" or "json_schema"',
                                param="response_format")
@@ -99,6 +139,42 @@ class GenerationRequest(BaseModel):
         """How many top logprobs per token the response carries (None: no logprobs)."""
         return None
 
+    def max_new(self, n_predict: int) -> int | None:
+        """The most tokens to generate: n_predict, or max_tokens, or else the server's -n (None: to the end of the
+        context)."""
+        if self.n_predict == 0:
+            raise APIError(400, "n_predict 0 (evaluating the prompt only) is not supported", param="n_predict")
+        limit = self.n_predict if self.n_predict is not None else self.max_completion_tokens or self.max_tokens
+        limit = n_predict if limit is None else limit
+        return limit if limit > 0 else None
+
+    def sampling(self) -> dict:
+        """The sampling parameters, with those of samplers the request's `samplers` leaves out neutral (as llama.cpp
+        leaves them out of its chain)."""
+        values = {name: getattr(self, name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                                          "presence_penalty", "frequency_penalty")}
+        if self.samplers is None:
+            return values
+        if isinstance(self.samplers, str):
+            codes = list(self.samplers)
+            unknown = [c for c in codes if c not in SAMPLERS.values()]
+        else:
+            names = [SAMPLER_ALIASES.get(n, n) for n in self.samplers]
+            unknown = [n for n in names if n not in SAMPLERS]
+            codes = [SAMPLERS.get(n) for n in names]
+        if unknown:
+            raise APIError(400, f"samplers: unknown sampler {unknown[0]!r}", param="samplers")
+        if "i" in codes or "a" in codes:
+            raise APIError(400, "samplers: the infill and adaptive_p samplers are not supported", param="samplers")
+        ours = [c for c in codes if c in CHAIN]
+        if ours != sorted(set(ours), key=CHAIN.index):
+            raise APIError(400, "samplers: this server applies penalties, top_k, top_p, min_p and temperature in "
+                                "that order (llama.cpp's default), each at most once", param="samplers")
+        for code in CHAIN:
+            if code not in ours:
+                values |= NEUTRAL[code]
+        return values
+
     def prepare(self, engine: Engine, prompt: dict, prompt_param: str, n_predict: int = -1) -> Generation:
         """The engine's prepared generation for this request and `prompt` ({"prompt": ...} or {"messages": ...}); a
         value the engine refuses raises APIError naming the field. n_predict caps a request that sets no max_tokens
@@ -108,18 +184,15 @@ class GenerationRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
             return engine.prepare(
-                **prompt, max_tokens=self.max_completion_tokens or self.max_tokens or (n_predict if n_predict > 0
-                                                                                        else None),
-                stop=stop, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                seed=self.seed, grammar=grammar, logprobs=self.n_logprobs(), logit_bias=self.logit_bias,
-                repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+                **prompt, max_tokens=self.max_new(n_predict), stop=stop, seed=self.seed, grammar=grammar,
+                logprobs=self.n_logprobs(), logit_bias=self.logit_bias, repeat_last_n=self.repeat_last_n,
+                cache_prompt=self.cache_prompt, **self.sampling())
         except ContextOverflowError as e:
             raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
         except ParamError as e:
             raise APIError(400, str(e), param=grammar_param if e.param == "grammar" else e.param)
         except ValueError as e:  # the chat template's own errors, an empty prompt
-            raise APIError(400, str(e))
+            raise APIError(400, str(e), param=prompt_param)
 
 
 class ChatMessage(BaseModel):
