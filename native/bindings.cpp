@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -167,6 +168,13 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("bos", [](const Model & mm) { return llama_vocab_bos(mm.vocab); })
         .def_property_readonly("eos", [](const Model & mm) { return llama_vocab_eos(mm.vocab); })
         .def_property_readonly("mask", [](const Model & mm) { return llama_vocab_mask(mm.vocab); })
+        // fill-in-the-middle tokens, -1 where the vocabulary has none (llama.cpp also finds them by their text)
+        .def_property_readonly("fim", [](const Model & mm) {
+            return std::map<std::string, llama_token>{
+                {"pre", llama_vocab_fim_pre(mm.vocab)}, {"suf", llama_vocab_fim_suf(mm.vocab)},
+                {"mid", llama_vocab_fim_mid(mm.vocab)}, {"pad", llama_vocab_fim_pad(mm.vocab)},
+                {"rep", llama_vocab_fim_rep(mm.vocab)}, {"sep", llama_vocab_fim_sep(mm.vocab)}};
+        })
         .def_property_readonly("size", [](const Model & mm) { return llama_model_size(mm.model); })
         .def_property_readonly("desc", [](const Model & mm) {
             char buf[256];

@@ -20,6 +20,10 @@ from dflash_local.convert.init_drafter import init_drafter
 
 VOCAB_SIZE = 512  # upper bound; the corpus runs out of repeated pairs a bit earlier
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+# fill-in-the-middle tokens, Qwen2.5-Coder's (write_tiny_target(fim=True)), with their GGUF keys
+FIM_TOKENS = {"<|fim_prefix|>": gguf.Keys.Tokenizer.FIM_PRE_ID, "<|fim_suffix|>": gguf.Keys.Tokenizer.FIM_SUF_ID,
+              "<|fim_middle|>": gguf.Keys.Tokenizer.FIM_MID_ID, "<|fim_pad|>": gguf.Keys.Tokenizer.FIM_PAD_ID,
+              "<|repo_name|>": gguf.Keys.Tokenizer.FIM_REP_ID, "<|file_sep|>": gguf.Keys.Tokenizer.FIM_SEP_ID}
 RMS_EPS = 1e-6
 ROPE_BASE = 10000.0
 
@@ -143,7 +147,7 @@ def _train_bpe(text: str, n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> dict:
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, specials=tuple(SPECIAL_TOKENS)) -> dict:
     """Token list, types, merges and special ids of the tiny byte-level BPE vocab."""
     tokens = _bytes_to_unicode()  # id == byte value
     merges = _train_bpe(CORPUS, vocab_size - 256 - len(SPECIAL_TOKENS))
@@ -154,7 +158,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> dict:
             tokens.append(a + b)
     types = [gguf.TokenType.NORMAL] * len(tokens)
     special = {}
-    for s in SPECIAL_TOKENS:
+    for s in specials:
         special[s] = len(tokens)
         tokens.append(s)
         types.append(gguf.TokenType.CONTROL)
@@ -220,11 +224,12 @@ def _add_hparams(w, **shape):
 
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
                       head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE,
-                      chat_template: str | None = CHATML_TEMPLATE, eos=None, head_type=None) -> Path:
+                      chat_template: str | None = CHATML_TEMPLATE, eos=None, head_type=None, fim=False) -> Path:
     """Random-weight qwen3 model with a real tiny BPE tokenizer; chat_template=None writes none. `eos` makes another
     token the end-of-generation token (the weights, so the logits, stay the same). head_type (a
-    gguf.GGMLQuantizationType) quantizes the token embeddings and the LM head."""
-    tok = build_tokenizer(vocab_size)
+    gguf.GGMLQuantizationType) quantizes the token embeddings and the LM head. fim: the vocabulary has
+    fill-in-the-middle tokens (FIM_TOKENS)."""
+    tok = build_tokenizer(vocab_size, (*SPECIAL_TOKENS, *(FIM_TOKENS if fim else ())))
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
 
@@ -233,6 +238,8 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         _add_hparams(w, n_ctx=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer,
                      n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
         _add_tokenizer(w, tok, chat_template, eos)
+        for text, key in FIM_TOKENS.items() if fim else ():
+            w.add_uint32(key, tok["special"][text])
         # Unit-variance embeddings and strong residual branches keep the random model
         # chaotic enough that greedy decoding does not lock onto one token at once.
         def vocab_rows(a):

@@ -28,6 +28,13 @@ from ..chat.textstream import Output
 from ..validate import DraftSpec, check_pair, check_target
 
 
+def utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the prompt is not valid Unicode (it holds a lone surrogate)") from None
+
+
 class ContextOverflowError(ValueError):
     """The prompt does not fit in the context window."""
 
@@ -407,11 +414,7 @@ class Engine:
         """Tokenize text; `special` parses control tokens and adds BOS only where the text lacks it."""
         if not special:
             return self.target.tokenize(text, True, False)
-        bos = self.target.bos
-        ids = self.target.tokenize(text, False, True)
-        if self.target.meta("tokenizer.ggml.add_bos_token") == "true" and bos >= 0 and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        return self.mixed_ids([text], special=True, bos=True)
 
     def detokenize(self, ids: list[int]) -> str:
         return b"".join(self.target.piece(t) for t in ids).decode("utf-8", errors="replace")
@@ -435,24 +438,50 @@ class Engine:
         return self._prompt_ids(prompt, self.chat_prompt(messages, chat_template_kwargs) if messages is not None
                                 else None)
 
-    def _prompt_ids(self, prompt: str | None, chat_text: str | None) -> list[int]:
-        """The tokens of a raw prompt, or of a chat template's output (its control tokens parsed), checked against
-        the context."""
+    def _prompt_ids(self, prompt: str | list[int] | None, chat_text: str | None) -> list[int]:
+        """The tokens of a raw prompt (text, or token ids), or of a chat template's output (its control tokens
+        parsed), checked against the context."""
         if (prompt is None) == (chat_text is None):
             raise ValueError("give either a prompt or chat messages")
+        if isinstance(prompt, list):  # token ids and text mixed, as llama-server's prompts may be
+            self._check_bytes(sum(len(p.encode("utf-8")) for p in prompt if isinstance(p, str)))
+            return self._check_length(self.mixed_ids(prompt, special=True, bos=True))
         text = chat_text if chat_text is not None else prompt
         if not isinstance(text, str):
-            raise ValueError("prompt must be a string")
-        try:
-            n_bytes = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise ValueError("the prompt is not valid Unicode (it holds a lone surrogate)") from None
-        # checked before tokenizing, whose time grows faster than the text
+            raise ValueError("prompt must be a string or a list of token ids")
+        self._check_bytes(len(utf8(text)))
+        return self._check_length(self.tokenize(text, special=chat_text is not None))
+
+    def _check_bytes(self, n_bytes: int) -> None:
+        # before tokenizing, whose time grows faster than the text
         if n_bytes > self.n_ctx * self.longest_token:
             raise ContextOverflowError(
                 f"the prompt has {n_bytes} bytes, so at least {-(-n_bytes // self.longest_token)} tokens (no token "
                 f"spells more than {self.longest_token} bytes), but the context holds {self.n_ctx}")
-        ids = self.tokenize(text, special=chat_text is not None)
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether the model's prompts start with its BOS token."""
+        return self.target.meta("tokenizer.ggml.add_bos_token") == "true" and self.target.bos >= 0
+
+    def mixed_ids(self, parts: list, special: bool, bos: bool) -> list[int]:
+        """Token ids and texts mixed, as llama-server takes them: texts tokenized (control tokens parsed if
+        `special`), the BOS first where the model wants one and the first part is text (`bos`)."""
+        ids = []
+        for part in parts:
+            if isinstance(part, str):
+                utf8(part)
+                ids += self.target.tokenize(part, False, special)
+            elif isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < self.target.n_vocab:
+                raise ValueError(f"prompt: {part!r} is not a token id of this vocabulary "
+                                 f"(0..{self.target.n_vocab - 1})")
+            else:
+                ids.append(part)
+        if bos and self.adds_bos and parts and isinstance(parts[0], str) and (not ids or ids[0] != self.target.bos):
+            ids.insert(0, self.target.bos)
+        return ids
+
+    def _check_length(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.n_ctx:
@@ -471,7 +500,7 @@ class Engine:
 
     def prepare(
         self,
-        prompt: str | None = None,
+        prompt: str | list[int] | None = None,
         messages: list[dict] | None = None,
         *,
         chat_template_kwargs: dict | None = None,
@@ -777,6 +806,7 @@ class Engine:
                 n_generated=len(out.ids),
                 prompt_ms=prompt_ms,
             )
+            summary.stop_word = out.stream.stopped_by or ""
             yield Finished(out.stream.text, list(out.ids), summary, emitted_logprobs)
         finally:
             # whatever happened (a stop, an error, the consumer walking away), the cache record stays true

@@ -64,9 +64,9 @@ class GrammarGuard:
         return self._proc
 
     def _read(self, timeout: float) -> str | None:
-        """The child's next line, or None if it died or said nothing in time."""
+        """The child's next line; "" if it died, None if it said nothing in time."""
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        return self._proc.stdout.readline().strip() or None if ready else None
+        return self._proc.stdout.readline().strip() if ready else None
 
     def _ask(self, text: str) -> str | None:
         proc = self._child()
@@ -76,10 +76,9 @@ class GrammarGuard:
         except BrokenPipeError:
             pass  # it died: the read below says so
         reply = self._read(TIMEOUT)
-        if reply is None:
-            died = proc.poll() is not None
+        if not reply:
             self._stop()
-            if died:
+            if reply == "":
                 return "llama.cpp's grammar parser crashed on this grammar (too deeply nested?)"
             return f"llama.cpp took over {TIMEOUT:g} s to load this grammar"
         return None

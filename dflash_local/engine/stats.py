@@ -44,6 +44,7 @@ class Summary:
     drafted_at: list[int] = field(default_factory=list)  # per block position: drafts proposed there
     ngram_steps: int = 0  # steps whose draft was an n-gram lookup's
     ngram_accepted: int = 0  # drafts of those steps the target accepted
+    stop_word: str = ""  # the stop string that ended the output (finish_reason "stop")
 
     @property
     def decode_ms(self) -> float:

@@ -18,19 +18,22 @@ from pathlib import PurePath
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..chat import output as chat_output
 from .body import body_limit, read_body
 from .errors import APIError, error_response, install_error_handlers
+from . import native
 from .logprobs import logprobs_body
+from .native import InfillRequest, NativeRequest
 from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
 from .props import model_card, props, slots
 from .stream import sse_events
 from .tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from ..engine.engine import Engine, Finished, Generation
+from ..engine.engine import Engine, Generation
 from .metrics import Metrics
-from .runner import ClosedError, Job, QueueFullError, Runner
+from .jobs import event_stream, submit, wait
+from .runner import Runner
 from ..chat.tool_calls import ToolChoiceError
 
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
@@ -178,7 +181,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         state.check_key(request)
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, NativeRequest,
+                      InfillRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -266,7 +270,35 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         generation = await asyncio.to_thread(body.prepare, engine, body.prompt_kwargs(), "prompt", state.n_predict)
         return await respond(state, engine, body, request, generation, None)
 
+    @app.post("/completion", openapi_extra=openapi_body(NativeRequest))
+    @app.post("/completions", openapi_extra=openapi_body(NativeRequest))
+    async def completion(request: Request):
+        engine, body = await state.read(request, NativeRequest)
+        return await respond_native(state, engine, body, request, body.prompt_kwargs()["prompt"], "prompt")
+
+    @app.post("/infill", openapi_extra=openapi_body(InfillRequest))
+    async def infill(request: Request):
+        engine, body = await state.read(request, InfillRequest)
+        ids = await asyncio.to_thread(body.infill_ids, engine, engine.placement.n_batch)
+        return await respond_native(state, engine, body, request, ids, "input_prefix")
+
     return app
+
+
+async def respond_native(state: State, engine: Engine, body: NativeRequest, request: Request, prompt: list,
+                         prompt_param: str):
+    """llama-server's /completion and /infill: the prompt (token ids and text mixed) generated on, answered in its
+    native shapes."""
+    generation = await asyncio.to_thread(body.prepare, engine, {"prompt": prompt}, prompt_param, state.n_predict)
+    job = submit(state.runner, generation, body.id_slot)
+    t0 = time.perf_counter()
+    if body.stream:
+        return event_stream(native.chunks(job, engine, body, state.metrics, t0, state.alias, generation.ids,
+                                          state.n_predict))
+    done = await wait(job, request, state.metrics, t0)
+    if done is None:
+        return JSONResponse({}, status_code=499)
+    return native.completion_body(engine, body, done, job.slot, state.alias, generation.ids, state.n_predict)
 
 
 async def respond(state: State, engine: Engine, body: GenerationRequest, request: Request,
@@ -274,52 +306,21 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
     """Queue the prepared generation; stream its chunks, or wait for it and answer with the whole completion.
     `syntax` reads a chat completion's output (None for a text completion)."""
     chat = syntax is not None
-    try:
-        job = state.runner.submit(generation, body.id_slot)
-    except ValueError as e:
-        raise APIError(400, str(e), param="id_slot")
-    except QueueFullError as e:
-        raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": "5"})
-    except ClosedError as e:
-        raise APIError(503, str(e), "unavailable_error", code="shutting_down")
+    job = submit(state.runner, generation, body.id_slot)
     head = response_head(chat, state.alias)
     t0 = time.perf_counter()
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         stream = chat_output.Stream(syntax) if chat else None
-        return StreamingResponse(sse_events(job, head, stream, usage, state.metrics, t0, engine),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(watch_disconnect(request, job))
-    done = None
-    try:
-        while (ev := await job.next()) is not None:
-            if isinstance(ev, Finished):
-                done = ev
-    except ValueError as e:
-        raise APIError(400, str(e))
-    except Exception as e:
-        raise APIError(500, f"generation failed: {e}", "server_error")
-    finally:
-        watcher.cancel()
+        return event_stream(sse_events(job, head, stream, usage, state.metrics, t0, engine, body.timings_per_token))
+    done = await wait(job, request, state.metrics, t0)
     if done is None:  # the client went away; nobody reads this
-        state.metrics.cancelled += 1
         return JSONResponse({}, status_code=499)
-    state.metrics.add(done.summary, time.perf_counter() - t0, job.slot)
     try:
         message = chat_output.finish(syntax, done.text) if chat else None
     except ToolChoiceError as e:
         raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
     return completion_body(head, done, message, logprobs_body(engine, done.logprobs, chat))
-
-
-async def watch_disconnect(request: Request, job: Job) -> None:
-    while not job.cancel.is_set():
-        if await request.is_disconnected():
-            job.cancel.set()
-            return
-        await asyncio.sleep(0.25)
 
 
 def idle_timeout_protocol():

@@ -1,17 +1,28 @@
-"""Log-probabilities in OpenAI's shapes: chat's `logprobs.content` and completions' `logprobs` lists."""
+"""Log-probabilities in OpenAI's shapes (chat's `logprobs.content`, completions' `logprobs` lists) and llama-server's
+(`completion_probabilities`)."""
 
 from __future__ import annotations
 
 from ..engine.engine import Engine
 
 
-def chat_logprobs(engine: Engine, entries: list) -> dict:
-    def one(tok: int, logprob: float) -> dict:
-        b = engine.target.piece(tok)
-        return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(b)}
+def _token(engine: Engine, tok: int, logprob: float) -> dict:
+    b = engine.target.piece(tok)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(b)}
 
-    content = [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+def chat_logprobs(engine: Engine, entries: list) -> dict:
+    content = [{**_token(engine, e.token, e.logprob),
+                "top_logprobs": [_token(engine, t, lp) for t, lp in e.top]} for e in entries]
     return {"content": content, "refusal": None}
+
+
+def native_logprobs(engine: Engine, entries: list) -> list[dict]:
+    """llama-server's completion_probabilities: each token's id, text, bytes and logprob, and its top tokens'."""
+    def one(tok: int, logprob: float) -> dict:
+        return {"id": tok, **_token(engine, tok, logprob)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def completion_logprobs(engine: Engine, entries: list, offset: int = 0) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
@@ -48,7 +48,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "lora": (([],), "LoRA adapters are not supported"),
     "return_tokens": ((False,), "return_tokens is not supported"),
     "return_progress": ((False,), "return_progress is not supported"),
-    "timings_per_token": ((False,), "timings_per_token is not supported: the last chunk carries the timings"),
     "response_fields": ((), "response_fields is not supported"),
     "grammar_lazy": ((False,), "lazy grammars are not supported"),
     "grammar_triggers": (([],), "grammar triggers are not supported"),
@@ -72,6 +71,7 @@ class GenerationRequest(BaseModel):
     """The fields chat and text completions share."""
 
     model_config = ConfigDict(extra="allow")  # kept only to check them against REFUSED
+    refused: ClassVar[dict] = REFUSED
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -84,6 +84,7 @@ class GenerationRequest(BaseModel):
     cache_prompt: bool = True
     id_slot: int = Field(default=-1, ge=-1, le=2**31 - 1)
     samplers: list[str] | str | None = None
+    timings_per_token: bool = False  # every stream chunk carries the timings so far
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # above OpenAI's 2, as llama-server (sampling.py)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -105,7 +106,7 @@ class GenerationRequest(BaseModel):
 
     def refuse_unsupported(self) -> None:
         fields = {**dict(self), **(self.model_extra or {})}
-        for name, (fine, why) in REFUSED.items():
+        for name, (fine, why) in self.refused.items():
             if fields.get(name) is not None and fields[name] not in fine:
                 raise APIError(400, why, param=name)
 

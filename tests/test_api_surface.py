@@ -1,0 +1,160 @@
+"""The endpoints beyond OpenAI's chat and text completions, each driven by its real client against a real server on
+127.0.0.1 (a tiny target with fill-in-the-middle tokens, drafting on): llama-server's /completion and /infill (httpx),
+with outputs equal to plain decoding."""
+
+import json
+
+import httpx
+import pytest
+from fixtures import write_tiny_drafter, write_tiny_target
+from test_server import ServerThread
+
+from dflash_local import Engine
+from dflash_local.server.app import create_app
+
+KEY = "sk-surface"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fim_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fim")
+    target = write_tiny_target(d / "fim-target.gguf", fim=True)
+    return target, write_tiny_drafter(d / "fim-drafter.gguf", target, target_layers=(1, 3))
+
+
+@pytest.fixture(scope="module")
+def plain(fim_pair):
+    """Plain decoding of the same target: what every drafted answer must equal."""
+    return Engine(fim_pair[0], n_ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def url(fim_pair):
+    engine = Engine(*fim_pair, n_ctx=1024, draft_policy="fixed")
+    s = ServerThread(create_app(lambda: engine, "fim", api_key=KEY))
+    s.wait_healthy()
+    yield s.url
+    s.stop()
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, headers=H, timeout=120, **kw)
+
+
+def sse(url, path, body) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, headers=H, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in r.read().decode().split("\n\n") if f.startswith("data: ")]
+    return [json.loads(f[6:]) for f in frames]
+
+
+# -- /completion ----------------------------------------------------------------------------------------------------
+
+def test_completion_equals_plain_decoding(url, plain):
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
+    want = plain.complete(prompt=[prompt], max_tokens=24)
+    r = post(url, "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0, "return_tokens": True,
+                                  "n_probs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == want.text and body["tokens"] == want.token_ids
+    assert body["stop"] is True and body["stop_type"] in ("limit", "eos") and body["tokens_predicted"] == 24
+    assert body["tokens_evaluated"] == len(plain.prepare([prompt]).ids) and body["prompt"] == prompt
+    assert body["timings"]["predicted_n"] == 24 and body["generation_settings"]["n_predict"] == 24
+    probs = body["completion_probabilities"]
+    assert [p["id"] for p in probs] == want.token_ids and all(len(p["top_logprobs"]) == 2 for p in probs)
+    assert probs[0]["top_logprobs"][0]["logprob"] >= probs[0]["top_logprobs"][1]["logprob"]
+
+
+def test_completion_streams_native_chunks(url, plain):
+    prompt = "x = [1, 2, 3]\ny = [1, 2, 3]\nz ="
+    want = plain.complete(prompt=[prompt], max_tokens=20)
+    chunks = sse(url, "/completion", {"prompt": prompt, "n_predict": 20, "temperature": 0, "stream": True,
+                                      "timings_per_token": True})
+    assert "".join(c["content"] for c in chunks) == want.text
+    assert all(c["stop"] is False and "timings" in c for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["stop"] is True and last["tokens_predicted"] == 20 and last["timings"]["draft_n"] > 0
+
+
+def test_completion_takes_token_ids_and_mixed_prompts(url, plain):
+    ids = plain.prepare(["Hello world"]).ids
+    want = plain.complete(prompt=ids, max_tokens=8)
+    assert post(url, "/completion", {"prompt": ids, "n_predict": 8, "temperature": 0}).json()["content"] == want.text
+    mixed = [ids[0], " again"]
+    want = plain.complete(prompt=mixed, max_tokens=8)
+    assert post(url, "/completion", {"prompt": mixed, "n_predict": 8, "temperature": 0}).json()["content"] == \
+        want.text
+    r = post(url, "/completion", {"prompt": [10**7], "n_predict": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_completion_stop_words(url, plain):
+    prompt = "a b c d e f g"
+    text = plain.complete(prompt=[prompt], max_tokens=30).text
+    word = text[5:7]
+    body = post(url, "/completion", {"prompt": prompt, "n_predict": 30, "temperature": 0, "stop": [word]}).json()
+    assert body["stop_type"] == "word" and body["stopping_word"] == word
+    assert body["content"] == text[:text.index(word)]
+
+
+# -- /infill --------------------------------------------------------------------------------------------------------
+
+def fim_ids(engine, prefix, suffix, extra):
+    """llama-server's infill layout, written out independently of the server's code."""
+    fim = engine.target.fim
+
+    def tok(text):
+        return engine.target.tokenize(text, False, False)
+
+    ids = [fim["rep"], *tok("myproject\n")]
+    for name, text in extra:
+        ids += [fim["sep"], *tok(name + "\n"), *tok(text)]
+    ids += [fim["sep"], *tok("filename\n")]
+    return [*ids, fim["pre"], *tok(prefix), fim["suf"], *tok(suffix), fim["mid"]]
+
+
+def test_infill_builds_the_fim_prompt_and_equals_plain_decoding(url, plain):
+    prefix, suffix = "def add(a, b):\n    ", "\n    return c\n"
+    extra = [("util.py", "def helper():\n    pass\n")]
+    want = plain.complete(prompt=fim_ids(plain, prefix, suffix, extra), max_tokens=16)
+    body = {"input_prefix": prefix, "input_suffix": suffix,
+            "input_extra": [{"filename": n, "text": t} for n, t in extra], "n_predict": 16, "temperature": 0}
+    r = post(url, "/infill", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == want.text and r.json()["timings"]["draft_n"] > 0
+    chunks = sse(url, "/infill", body | {"stream": True})
+    assert "".join(c["content"] for c in chunks) == want.text and chunks[-1]["stop"] is True
+
+
+def test_infill_without_fim_tokens_says_so(tiny_target):
+    engine = Engine(tiny_target, n_ctx=256)
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    try:
+        s.wait_healthy()
+        r = httpx.post(s.url + "/infill", json={"input_prefix": "a", "input_suffix": "b"})
+        assert r.status_code == 501
+        err = r.json()["error"]
+        assert "fill-in-the-middle" in err["message"] and err["type"] == "not_supported_error"
+        r = httpx.post(s.url + "/infill", json={"input_prefix": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_suffix"
+    finally:
+        s.stop()
+
+
+# -- every POST endpoint as `curl -d` sends it ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,body", [
+    ("/completion", {"prompt": "hi", "n_predict": 2}),
+    ("/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/tokenize", {"content": "hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_form_typed_json_body_is_read_as_json(url, path, body):
+    r = httpx.post(url + path, content=json.dumps(body), timeout=120,
+                   headers=H | {"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
