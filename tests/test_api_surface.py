@@ -158,3 +158,97 @@ def test_a_form_typed_json_body_is_read_as_json(url, path, body):
     r = httpx.post(url + path, content=json.dumps(body), timeout=120,
                    headers=H | {"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200, r.text
+
+
+# -- Anthropic's Messages API ------------------------------------------------------------------------------------------
+
+SYSTEM = "You are terse."
+ASK_TEXT = "Write a function that adds two numbers."
+
+
+def test_messages_with_the_anthropic_client(url, plain):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    want = plain.complete(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK_TEXT}],
+                          max_tokens=24)
+    # the SDK of late 2026 has no temperature (Anthropic's models sample): sent as an extra field, as clients do
+    greedy = {"extra_body": {"temperature": 0}}
+    r = client.messages.create(model="fim", system=SYSTEM, max_tokens=24, **greedy,
+                               messages=[{"role": "user", "content": [{"type": "text", "text": ASK_TEXT}]}])
+    assert r.type == "message" and r.role == "assistant" and r.model == "fim"
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == want.text
+    assert r.stop_reason in ("max_tokens", "end_turn") and r.usage.output_tokens == want.summary.n_generated
+    with client.messages.stream(model="fim", system=SYSTEM, max_tokens=24, **greedy,
+                                messages=[{"role": "user", "content": ASK_TEXT}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == want.text and final.content[0].text == want.text
+    assert final.stop_reason == r.stop_reason
+    n = client.messages.count_tokens(model="fim", system=SYSTEM, messages=[{"role": "user", "content": ASK_TEXT}])
+    assert n.input_tokens == want.summary.n_prompt
+
+
+def test_messages_stop_sequences_and_errors(url, plain):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    text = plain.complete(messages=[{"role": "user", "content": ASK_TEXT}], max_tokens=30).text
+    word = text[6:8]
+    r = client.messages.create(model="fim", max_tokens=30, extra_body={"temperature": 0}, stop_sequences=[word],
+                               messages=[{"role": "user", "content": ASK_TEXT}])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == word
+    assert r.content[0].text == text[:text.index(word)]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="fim", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["param"] == "messages.0.content.0"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model="fim", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def planted(tiny_target, tiny_drafter):
+    """A server whose answers are planted (planted.py): tool calls the tiny models never write."""
+    from planted import PlantedEngine
+    from test_server_tools import QWEN35
+
+    engine = PlantedEngine(Engine(tiny_target, tiny_drafter, n_ctx=1024, chat_template=QWEN35))
+    s = ServerThread(create_app(lambda: engine, "tiny"))
+    s.wait_healthy()
+    s.engine = engine
+    yield s
+    s.stop()
+
+
+def test_messages_tool_use_round_trip(planted):
+    import anthropic
+    from planted import cut
+    from test_server_tools import CALL_OUTPUT, WEATHER
+
+    client = anthropic.Anthropic(base_url=planted.url, api_key="none", max_retries=0)
+    fn = WEATHER["function"]
+    tools = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    planted.engine.pieces = cut(CALL_OUTPUT, 3)
+    r = client.messages.create(model="tiny", max_tokens=64, tools=tools, messages=ask)
+    assert r.stop_reason == "tool_use"
+    assert [b.type for b in r.content] == ["thinking", "tool_use"]
+    call = r.content[1]
+    assert call.name == "get_weather" and call.input == {"city": "Paris"}
+    assert '"name": "get_weather"' in planted.engine.last_prompt()
+    # streamed: the same blocks, the call's input as JSON deltas
+    planted.engine.pieces = cut(CALL_OUTPUT, 4)
+    with client.messages.stream(model="tiny", max_tokens=64, tools=tools, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.content[1].input == {"city": "Paris"}
+    assert final.stop_reason == "tool_use"
+    # the call and its result go back to the model as its template writes them
+    planted.engine.pieces = ["Warm.\n</think>\n\nIt is 21 °C in Paris."]
+    msgs = ask + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": '{"temp": 21}'}]}]
+    r = client.messages.create(model="tiny", max_tokens=64, tools=tools, messages=msgs)
+    assert r.stop_reason == "end_turn" and r.content[-1].text == "It is 21 °C in Paris."
+    assert planted.engine.last_prompt().endswith(
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n')

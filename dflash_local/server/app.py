@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ..chat import output as chat_output
 from .body import body_limit, read_body
 from .errors import APIError, error_response, install_error_handlers
-from . import native
+from . import anthropic, native
+from .anthropic import MessagesRequest
 from .logprobs import logprobs_body
 from .native import InfillRequest, NativeRequest
 from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
@@ -182,7 +183,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, NativeRequest,
-                      InfillRequest):
+                      InfillRequest, MessagesRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -254,15 +255,43 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
     async def chat(request: Request):
         engine, body = await state.read(request, ChatRequest)
-
-        def prepare():
-            generation = body.prepare(engine, body.prompt_kwargs(), "messages", state.n_predict)
-            syntax = body.output_syntax(engine, generation.prompt_text, state.reasoning_format)
-            generation.shown = engine.token_set(syntax.preserved)  # the format's control tokens, shown to its parser
-            return generation, syntax
-
-        generation, syntax = await asyncio.to_thread(prepare)
+        generation, syntax = await asyncio.to_thread(prepare_chat, state, engine, body)
         return await respond(state, engine, body, request, generation, syntax)
+
+    @app.post("/v1/messages", openapi_extra=openapi_body(MessagesRequest))
+    async def messages(request: Request):
+        try:
+            engine, body = await state.read(request, MessagesRequest)
+            chat = body.chat()
+            generation, syntax = await asyncio.to_thread(prepare_chat, state, engine, chat)
+            job = submit(state.runner, generation)
+            t0 = time.perf_counter()
+            if chat.stream:
+                return event_stream(anthropic.events(job, syntax, state.alias, len(generation.ids), state.metrics,
+                                                     t0))
+            done = await wait(job, request, state.metrics, t0)
+            if done is None:
+                return JSONResponse({}, status_code=499)
+            try:
+                message = chat_output.finish(syntax, done.text)
+            except ToolChoiceError as e:
+                raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
+            return anthropic.message_body(done, message, state.alias)
+        except APIError as e:
+            return anthropic.error_response(e)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=openapi_body(MessagesRequest))
+    async def count_tokens(request: Request):
+        try:
+            engine, body = await state.read(request, MessagesRequest)
+            chat = body.chat()
+            try:
+                ids = await asyncio.to_thread(engine.prompt_tokens, **chat.prompt_kwargs())
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages")
+            return {"input_tokens": len(ids)}
+        except APIError as e:
+            return anthropic.error_response(e)
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
@@ -283,6 +312,14 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         return await respond_native(state, engine, body, request, ids, "input_prefix")
 
     return app
+
+
+def prepare_chat(state: State, engine: Engine, body: ChatRequest):
+    """A chat request's generation, and how its output is read (reasoning, tool calls)."""
+    generation = body.prepare(engine, body.prompt_kwargs(), "messages", state.n_predict)
+    syntax = body.output_syntax(engine, generation.prompt_text, state.reasoning_format)
+    generation.shown = engine.token_set(syntax.preserved)  # the format's control tokens, shown to its parser
+    return generation, syntax
 
 
 async def respond_native(state: State, engine: Engine, body: NativeRequest, request: Request, prompt: list,
