@@ -252,3 +252,60 @@ def test_messages_tool_use_round_trip(planted):
     assert r.stop_reason == "end_turn" and r.content[-1].text == "It is 21 °C in Paris."
     assert planted.engine.last_prompt().endswith(
         '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n')
+
+
+# -- OpenAI's Responses API ------------------------------------------------------------------------------------------
+
+def test_responses_with_the_openai_client(url, plain):
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    want = plain.complete(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK_TEXT}],
+                          max_tokens=24)
+    r = client.responses.create(model="fim", instructions=SYSTEM, input=ASK_TEXT, max_output_tokens=24,
+                                temperature=0)
+    assert r.object == "response" and r.output_text == want.text
+    assert r.status == ("incomplete" if want.summary.finish_reason == "length" else "completed")
+    assert r.usage.output_tokens == want.summary.n_generated and r.usage.input_tokens == want.summary.n_prompt
+    # the same as items, streamed
+    items = [{"role": "system", "content": SYSTEM},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK_TEXT}]}]
+    events = list(client.responses.create(model="fim", input=items, max_output_tokens=24, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output[0].content[0].text == want.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="fim", input="hi", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_responses_function_calls_round_trip(planted):
+    import openai
+    from planted import cut
+    from test_server_tools import CALL_OUTPUT, WEATHER
+
+    client = openai.OpenAI(base_url=planted.url + "/v1", api_key="none", max_retries=0)
+    fn = WEATHER["function"]
+    tools = [{"type": "function", "name": fn["name"], "description": fn["description"], "parameters": fn["parameters"]}]
+    planted.engine.pieces = cut(CALL_OUTPUT, 3)
+    r = client.responses.create(model="tiny", input="Weather in Paris?", tools=tools, max_output_tokens=64)
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    # streamed, with the SDK's own event accumulation
+    planted.engine.pieces = cut(CALL_OUTPUT, 5)
+    with client.responses.stream(model="tiny", input="Weather in Paris?", tools=tools, max_output_tokens=64) as s:
+        final = s.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
+    # the call and its output go back as items
+    planted.engine.pieces = ["Warm.\n</think>\n\nIt is 21 °C in Paris."]
+    items = [{"role": "user", "content": "Weather in Paris?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}]
+    r = client.responses.create(model="tiny", input=items, tools=tools, max_output_tokens=64)
+    assert r.output_text == "It is 21 °C in Paris."
+    assert planted.engine.last_prompt().endswith(
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n')

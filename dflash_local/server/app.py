@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ..chat import output as chat_output
 from .body import body_limit, read_body
 from .errors import APIError, error_response, install_error_handlers
-from . import anthropic, native
+from . import anthropic, native, responses
 from .anthropic import MessagesRequest
+from .responses import ResponsesRequest
 from .logprobs import logprobs_body
 from .native import InfillRequest, NativeRequest
 from .schema import ChatRequest, CompletionRequest, GenerationRequest, completion_body, response_head
@@ -183,7 +184,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, NativeRequest,
-                      InfillRequest, MessagesRequest):
+                      InfillRequest, MessagesRequest, ResponsesRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -257,6 +258,25 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         engine, body = await state.read(request, ChatRequest)
         generation, syntax = await asyncio.to_thread(prepare_chat, state, engine, body)
         return await respond(state, engine, body, request, generation, syntax)
+
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    @app.post("/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def create_response(request: Request):
+        engine, body = await state.read(request, ResponsesRequest)
+        chat = body.chat()
+        generation, syntax = await asyncio.to_thread(prepare_chat, state, engine, chat)
+        job = submit(state.runner, generation)
+        head, t0 = responses.Head(body, state.alias), time.perf_counter()
+        if chat.stream:
+            return event_stream(responses.events(job, syntax, head, state.metrics, t0))
+        done = await wait(job, request, state.metrics, t0)
+        if done is None:
+            return JSONResponse({}, status_code=499)
+        try:
+            message = chat_output.finish(syntax, done.text)
+        except ToolChoiceError as e:
+            raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
+        return responses.response_body(head, done, message)
 
     @app.post("/v1/messages", openapi_extra=openapi_body(MessagesRequest))
     async def messages(request: Request):
