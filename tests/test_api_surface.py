@@ -309,3 +309,61 @@ def test_responses_function_calls_round_trip(planted):
     assert r.output_text == "It is 21 °C in Paris."
     assert planted.engine.last_prompt().endswith(
         '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n')
+
+
+# -- the chat page ---------------------------------------------------------------------------------------------------
+
+def test_chat_page_streams_in_a_real_browser(fim_pair):
+    import shutil
+
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not chromedriver:
+        pytest.skip("no headless browser: install Debian's chromium and chromium-driver (.ci/run does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    engine = Engine(*fim_pair, n_ctx=1024)
+    s = ServerThread(create_app(lambda: engine, "fim", api_key=KEY, n_predict=300))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    try:
+        s.wait_healthy()
+        page = httpx.get(s.url + "/")
+        assert page.status_code == 200 and "<script>" in page.text and "http" not in page.text.split("<script>")[1]
+        browser.get(s.url + "/")
+        wait = WebDriverWait(browser, 60, poll_frequency=0.02)
+        # the server has a key: the page asks for it, then shows the model
+        wait.until(lambda b: b.find_element(By.ID, "key-form").is_displayed())
+        browser.find_element(By.ID, "key").send_keys(KEY)
+        browser.find_element(By.ID, "key-save").click()
+        wait.until(lambda b: b.find_element(By.ID, "model").text == "fim")
+        temperature = browser.find_element(By.ID, "temperature")
+        temperature.clear()
+        temperature.send_keys("0")
+        browser.find_element(By.ID, "prompt").send_keys("hi\n")
+        seen = set()  # the answer's lengths while it streams, and the figures shown meanwhile
+
+        def finished(b):
+            answer = b.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+            stats = b.find_element(By.ID, "stats").text
+            if answer:
+                seen.add((len(answer[-1].text), stats.endswith("...")))
+            return answer and stats and not stats.endswith("...")
+
+        wait.until(finished)
+        # the text as the page set it (Selenium's .text is the rendering, blanks folded)
+        answer = browser.execute_script("return [...document.querySelectorAll('.msg.assistant')].pop().textContent")
+        stats = browser.find_element(By.ID, "stats").text
+        want = Engine(fim_pair[0], n_ctx=1024).complete(messages=[{"role": "user", "content": "hi"}], max_tokens=300)
+        assert want.summary.n_generated == 300 and answer == want.text
+        assert "300 tokens" in stats and "tokens/s" in stats and "drafts accepted" in stats and "tokens a step" in stats
+        assert len({n for n, running in seen if running and n > 0}) >= 2, seen  # tokens came in while it ran
+        assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
+    finally:
+        browser.quit()
+        s.stop()

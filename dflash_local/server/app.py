@@ -13,12 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from ..chat import output as chat_output
 from .body import body_limit, read_body
@@ -41,6 +41,7 @@ from ..chat.tool_calls import ToolChoiceError
 # the cap on tokens for a request that sets no max_tokens (`serve -n`): long answers fit, and a model that never stops
 # does not run on to the end of the context (docs/server.md)
 N_PREDICT = 2048
+PAGE = Path(__file__).with_name("page.html")
 # llama-server's --timeout: seconds a client may leave its stream unread before its generation is cancelled
 TIMEOUT = 600.0
 # an absolute path in a message (a load error names the file): clients are shown its file name only
@@ -189,6 +190,10 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
         return doc
+
+    @app.get("/", include_in_schema=False)
+    async def page():  # the chat page; it asks for the key itself when one is set
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health():
