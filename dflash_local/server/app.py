@@ -196,6 +196,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         if state.engine is not None:
             return {"status": "ok"} | ({"drafter_error": state.drafter_error} if state.drafter_error else {})
@@ -212,6 +213,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         return PlainTextResponse(state.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
+    @app.get("/models")
     async def models(request: Request):
         state.check_key(request)
         return {"object": "list", "data": [model_card(state.alias, state.created, state.engine)]}
@@ -259,6 +261,7 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         return await asyncio.to_thread(detokenize, engine, body)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
+    @app.post("/chat/completions", openapi_extra=openapi_body(ChatRequest))
     async def chat(request: Request):
         engine, body = await state.read(request, ChatRequest)
         generation, syntax = await asyncio.to_thread(prepare_chat, state, engine, body)
