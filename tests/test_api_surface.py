@@ -134,7 +134,7 @@ def test_infill_without_fim_tokens_says_so(tiny_target):
     try:
         s.wait_healthy()
         r = httpx.post(s.url + "/infill", json={"input_prefix": "a", "input_suffix": "b"})
-        assert r.status_code == 501
+        assert r.status_code == 400
         err = r.json()["error"]
         assert "fill-in-the-middle" in err["message"] and err["type"] == "not_supported_error"
         r = httpx.post(s.url + "/infill", json={"input_prefix": "a"})
@@ -153,6 +153,9 @@ def test_infill_without_fim_tokens_says_so(tiny_target):
     ("/tokenize", {"content": "hi"}),
     ("/detokenize", {"tokens": [1, 2]}),
     ("/apply-template", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
 ])
 def test_a_form_typed_json_body_is_read_as_json(url, path, body):
     r = httpx.post(url + path, content=json.dumps(body), timeout=120,

@@ -14,6 +14,20 @@ from dflash_local.bench import own_continuation
 GREEDY = _native.Sampling()
 
 
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+
+
+# the int8 copy's dot products are AVX512-VNNI (greedy_head.cpp); elsewhere the full head serves every row, which the
+# generation tests below still check
+needs_vnni = pytest.mark.skipif(not _cpu_has_vnni(), reason="the greedy head needs AVX512-VNNI, which this CPU lacks")
+
+
 @pytest.fixture(scope="module")
 def gemma(gemma_target):
     return Engine(gemma_target, n_ctx=512, draft_policy="fixed")  # scripted drafts: every block whole
@@ -31,6 +45,7 @@ def _check_rows(s, n_rows, n_vocab, few):
             assert kept.sum() < n_vocab // 100
 
 
+@needs_vnni
 def test_greedy_rows_keep_the_full_rows_argmax_and_their_exact_logits(gemma):
     s, n_vocab = gemma.session, gemma.target.n_vocab
     last = s.prefill(gemma.prompt_tokens('def merge_sorted(a, b):\n    """Merge two sorted lists."""\n'), GREEDY, 0)
@@ -52,6 +67,7 @@ def test_greedy_rows_keep_the_full_rows_argmax_and_their_exact_logits(gemma):
     s.set_greedy_head(None)
 
 
+@needs_vnni
 def test_the_greedy_head_is_built_where_it_pays_and_can_be_turned_off(gemma, tiny_target):
     s = gemma.session
     s.set_greedy_head(False)
@@ -86,6 +102,7 @@ def test_greedy_generation_with_the_greedy_head_is_plain_decodings(gemma, seed):
     assert outputs[True][0] == outputs[True][1]
 
 
+@needs_vnni
 @pytest.mark.parametrize("head_type", ["Q8_0", "Q5_0", "Q4_0"])
 def test_tiny_q8_row_heads_with_a_vocabulary_in_no_whole_tiles(models_dir, head_type):
     """The other head types whose rows meet q8_0 activations, and 333 tokens: the copy's last tile of 4 rows has

@@ -60,7 +60,7 @@ class InfillRequest(NativeRequest):
         fim = engine.target.fim
         missing = [part for part, key in (("prefix", "pre"), ("suffix", "suf"), ("middle", "mid")) if fim[key] < 0]
         if missing:
-            raise APIError(501, "infill is not supported by this model: it has no fill-in-the-middle "
+            raise APIError(400, "infill is not supported by this model: it has no fill-in-the-middle "
                                 f"{', '.join(missing)} token (GGUF tokenizer.ggml.fim_*_token_id)",
                            "not_supported_error", param="input_prefix")
 
