@@ -7,29 +7,24 @@ long that takes, and the worst time /health took to answer meanwhile (polled eve
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-from dflash_local.llama_server import free_port
+from dflash_local.llama_server import Server, free_port
 
 
 def main(serve_args: list[str]) -> None:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_local", "serve", "-np", "4", "--api-key", "K", *serve_args,
-                             "--port", str(port)])
-    try:
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            time.sleep(0.2)
+    # the installed command: `python -m dflash_local` in the repository root would find the unbuilt source tree
+    argv = [str(Path(sys.executable).parent / "dflash-local"), "serve", "-np", "4", "--api-key", "K", *serve_args,
+            "--port", str(port)]
+    with tempfile.TemporaryDirectory() as tmp, Server(argv, port, Path(tmp) / "serve.log") as server:
+        url = server.url
         headers = {"Authorization": "Bearer K", "content-type": "application/json"}
         small = json.dumps({"role": "user", "content": "hi"})
         cases = [(f"{n} chat messages", "/v1/chat/completions", '{"messages": [' + ",".join([small] * n) + "]}")
@@ -55,9 +50,6 @@ def main(serve_args: list[str]) -> None:
             r = result["r"]
             why = r.json()["error"]["message"][:90] if r.status_code >= 400 else ""
             print(f"| {name} | {len(raw) / 1e6:.2f} | {r.status_code} {why} | {result['s']:.2f} | {worst * 1000:.0f} |")
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 if __name__ == "__main__":

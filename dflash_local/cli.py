@@ -117,17 +117,6 @@ def _seconds(text: str) -> float:
     return t
 
 
-def _max_tokens(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 and n != -1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a token count (1 or more), or -1 for no limit (the end of "
-                                         f"the context)")
-    return n
-
-
 def _temperature(text: str) -> float:
     from .engine.sampling import check_temperature
 
@@ -475,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--system", help="system message (with --chat)")
     _chat_args(g)
-    g.add_argument("-n", "--max-tokens", type=_max_tokens, default=256, help="tokens to generate (default 256; -1: "
+    g.add_argument("-n", "--max-tokens", type=_n_predict, default=256, help="tokens to generate (default 256; -1: "
                    "until the context is full)")
     g.add_argument("--temp", type=_temperature, default=0.0, help="temperature (0 = greedy, the default)")
     g.add_argument("--top-k", type=int, default=0)

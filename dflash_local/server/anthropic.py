@@ -9,14 +9,14 @@ import json
 import secrets
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import output as chat_output
 from ..chat.tool_calls import ToolChoiceError
 from ..engine.engine import Finished, TextDelta
 from ..engine.sampling import MAX_TEMPERATURE
-from .errors import APIError, validation_error
-from .schema import ChatRequest
+from .errors import APIError
+from .schema import ChatRequest, chat_request, joined_text
 from .stream import KEEPALIVE, job_events
 
 
@@ -66,24 +66,11 @@ class MessagesRequest(BaseModel):
             if kind != "disabled":
                 raise APIError(400, 'thinking.type must be "enabled" or "disabled"', param="thinking")
             body["reasoning_budget_tokens"] = 0
-        try:
-            return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=True)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        return chat_request(body)
 
 
 def _text(content, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(content if isinstance(content, list) else [content]):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise APIError(400, f"{where}.{j}: only text blocks are supported here, not {kind!r}",
-                           param=f"{where}.{j}")
-        parts.append(block["text"])
-    return "".join(parts)
+    return joined_text(content, where, {"text": "text"})
 
 
 def _messages(m: dict, where: str) -> list[dict]:

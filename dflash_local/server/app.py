@@ -277,14 +277,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
         head, t0 = responses.Head(body, state.alias), time.perf_counter()
         if chat.stream:
             return event_stream(responses.events(job, syntax, head, state.metrics, t0))
-        done = await wait(job, request, state.metrics, t0)
-        if done is None:
-            return JSONResponse({}, status_code=499)
-        try:
-            message = chat_output.finish(syntax, done.text)
-        except ToolChoiceError as e:
-            raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
-        return responses.response_body(head, done, message)
+        done, message = await whole(state, request, job, syntax, t0)
+        return responses.response_body(head, done, message) if done else JSONResponse({}, status_code=499)
 
     @app.post("/v1/messages", openapi_extra=openapi_body(MessagesRequest))
     async def messages(request: Request):
@@ -297,14 +291,8 @@ def create_app(load_engine: Callable[[], Engine], alias: str, api_key: str | Non
             if chat.stream:
                 return event_stream(anthropic.events(job, syntax, state.alias, len(generation.ids), state.metrics,
                                                      t0))
-            done = await wait(job, request, state.metrics, t0)
-            if done is None:
-                return JSONResponse({}, status_code=499)
-            try:
-                message = chat_output.finish(syntax, done.text)
-            except ToolChoiceError as e:
-                raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
-            return anthropic.message_body(done, message, state.alias)
+            done, message = await whole(state, request, job, syntax, t0)
+            return anthropic.message_body(done, message, state.alias) if done else JSONResponse({}, status_code=499)
         except APIError as e:
             return anthropic.error_response(e)
 
@@ -378,14 +366,22 @@ async def respond(state: State, engine: Engine, body: GenerationRequest, request
         usage = bool((body.stream_options or {}).get("include_usage"))
         stream = chat_output.Stream(syntax) if chat else None
         return event_stream(sse_events(job, head, stream, usage, state.metrics, t0, engine, body.timings_per_token))
-    done = await wait(job, request, state.metrics, t0)
+    done, message = await whole(state, request, job, syntax, t0)
     if done is None:  # the client went away; nobody reads this
         return JSONResponse({}, status_code=499)
+    return completion_body(head, done, message, logprobs_body(engine, done.logprobs, chat))
+
+
+async def whole(state: State, request: Request, job, syntax: chat_output.Syntax | None, t0: float):
+    """A generation waited for whole, and its chat message read by `syntax` (None: a text completion); (None, None) if
+    the client went away."""
+    done = await wait(job, request, state.metrics, t0)
+    if done is None or syntax is None:
+        return done, None
     try:
-        message = chat_output.finish(syntax, done.text) if chat else None
+        return done, chat_output.finish(syntax, done.text)
     except ToolChoiceError as e:
         raise APIError(500, str(e), "server_error", code="tool_choice_not_met")
-    return completion_body(head, done, message, logprobs_body(engine, done.logprobs, chat))
 
 
 def idle_timeout_protocol():

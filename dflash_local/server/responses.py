@@ -10,14 +10,14 @@ import json
 import secrets
 import time
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import output as chat_output
 from ..chat.tool_calls import ToolChoiceError
 from ..engine.engine import Finished, TextDelta
 from ..engine.sampling import MAX_TEMPERATURE
-from .errors import APIError, validation_error
-from .schema import ChatRequest
+from .errors import APIError
+from .schema import ChatRequest, chat_request, joined_text
 from .stream import KEEPALIVE, job_events
 
 # fields that would change the answer and are not honoured here, with the values that are fine (others, such as
@@ -78,26 +78,12 @@ class ResponsesRequest(BaseModel):
             body["response_format"] = {"type": "json_object"}
         elif fmt.get("type") != "text":
             raise APIError(400, 'text.format.type must be "text", "json_object" or "json_schema"', param="text")
-        try:
-            return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=True)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        return chat_request(body)
 
 
 def _parts(content, where: str) -> str:
-    """A message's content: a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    out = []
-    for j, part in enumerate(content if isinstance(content, list) else [content]):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            out.append(part["refusal"])
-        else:
-            raise APIError(400, f"{where}.{j}: only text parts are supported, not {kind!r}", param=f"{where}.{j}")
-    return "".join(out)
+    return joined_text(content, where, {"input_text": "text", "output_text": "text", "text": "text",
+                                        "refusal": "refusal"})
 
 
 def _items(items: list[dict]) -> list[dict]:

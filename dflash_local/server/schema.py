@@ -8,10 +8,11 @@ import secrets
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      model_validator)
 
 from ..chat import output as chat_output, reasoning, tool_calls
-from .errors import APIError
+from .errors import APIError, validation_error
 from ..engine.engine import ContextOverflowError, Engine, Finished, Generation
 from ..engine.grammar import grammar_of
 from ..engine.sampling import MAX_TEMPERATURE, ParamError
@@ -267,6 +268,29 @@ class ChatRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_request(body: dict) -> ChatRequest:
+    """Another API's request (Anthropic's, the Responses API's) carried over: its chat request, without the fields
+    left None, validated as a chat body is."""
+    try:
+        return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=True)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def joined_text(content, where: str, kinds: dict[str, str]) -> str:
+    """A message's content in another API: a string, or parts of the types in `kinds` (type -> the key of its text),
+    joined; APIError naming the first part of another type."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content if isinstance(content, list) else [content]):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get(kinds[kind]), str):
+            raise APIError(400, f"{where}.{j}: only text is supported here, not {kind!r}", param=f"{where}.{j}")
+        out.append(part[kinds[kind]])
+    return "".join(out)
 
 
 class CompletionRequest(GenerationRequest):
