@@ -121,8 +121,8 @@ def completion_body(engine: Engine, body: NativeRequest, done: Finished, slot: i
 
 async def chunks(job, engine: Engine, body: NativeRequest, metrics, t0: float, model: str, prompt: list[int],
                  n_predict: int):
-    """The stream: a chunk per step's text (its token ids and, with n_probs, their probabilities), then the final
-    chunk with every field of the whole answer but the text."""
+    """The stream: a chunk per step's text (with n_probs, its tokens' probabilities), then the final chunk with every
+    field of the whole answer but the text, its tokens and their probabilities (as llama-server's)."""
     running = Running()
     head = {"index": 0, "id_slot": job.slot if job.slot is not None else -1, "stop": False}
     try:
@@ -140,7 +140,7 @@ async def chunks(job, engine: Engine, body: NativeRequest, metrics, t0: float, m
                 yield frame(out)
             elif isinstance(ev, Finished):
                 final = completion_body(engine, body, ev, job.slot, model, prompt, n_predict)
-                yield frame(final | {"content": "", "tokens": []} | ({} if body.n_probs == 0 else
-                                                                      {"completion_probabilities": []}))
+                final.pop("completion_probabilities", None)
+                yield frame(final | {"content": "", "tokens": []})
     except Exception as e:  # the engine failed mid-stream: said in-band, and the stream ends
         yield frame({"error": {"message": str(e), "type": "server_error", "code": 500}})
