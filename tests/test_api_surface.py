@@ -250,7 +250,8 @@ def test_messages_tool_use_round_trip(planted):
     # the call and its result go back to the model as its template writes them
     planted.engine.pieces = ["Warm.\n</think>\n\nIt is 21 °C in Paris."]
     msgs = ask + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": '{"temp": 21}'}]}]
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                "content": '{"temp": 21}'}]}]
     r = client.messages.create(model="tiny", max_tokens=64, tools=tools, messages=msgs)
     assert r.stop_reason == "end_turn" and r.content[-1].text == "It is 21 °C in Paris."
     assert planted.engine.last_prompt().endswith(
@@ -348,24 +349,32 @@ def test_chat_page_streams_in_a_real_browser(fim_pair):
         temperature = browser.find_element(By.ID, "temperature")
         temperature.clear()
         temperature.send_keys("0")
+        # every change of the answer and of the figures, recorded in the page as it happens (polling from here is
+        # too slow for a tiny model's 300 tokens)
+        browser.execute_script("""
+            window.seen = [];
+            new MutationObserver(() => {
+                const answer = [...document.querySelectorAll('.msg.assistant')].pop();
+                const stats = document.getElementById('stats').textContent;
+                window.seen.push([answer ? answer.textContent.length : 0, stats]);
+            }).observe(document.body, {subtree: true, childList: true, characterData: true});""")
         browser.find_element(By.ID, "prompt").send_keys("hi\n")
-        seen = set()  # the answer's lengths while it streams, and the figures shown meanwhile
 
         def finished(b):
-            answer = b.find_elements(By.CSS_SELECTOR, ".msg.assistant")
             stats = b.find_element(By.ID, "stats").text
-            if answer:
-                seen.add((len(answer[-1].text), stats.endswith("...")))
-            return answer and stats and not stats.endswith("...")
+            return b.find_elements(By.CSS_SELECTOR, ".msg.assistant") and stats and not stats.endswith("...")
 
         wait.until(finished)
+        seen = browser.execute_script("return window.seen")
         # the text as the page set it (Selenium's .text is the rendering, blanks folded)
         answer = browser.execute_script("return [...document.querySelectorAll('.msg.assistant')].pop().textContent")
         stats = browser.find_element(By.ID, "stats").text
         want = Engine(fim_pair[0], n_ctx=1024).complete(messages=[{"role": "user", "content": "hi"}], max_tokens=300)
         assert want.summary.n_generated == 300 and answer == want.text
         assert "300 tokens" in stats and "tokens/s" in stats and "drafts accepted" in stats and "tokens a step" in stats
-        assert len({n for n, running in seen if running and n > 0}) >= 2, seen  # tokens came in while it ran
+        # tokens came in while it ran, with the figures so far beside them
+        assert len({n for n, stats in seen if stats.endswith("...") and 0 < n < len(answer)}) >= 2, seen
+        assert any("tokens/s" in stats and stats.endswith("...") for _, stats in seen)
         assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     finally:
         browser.quit()
