@@ -158,7 +158,7 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_lives_on(url, path, body, 
         assert c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
-# -- 5. llama-server's fields: honoured or refused by name --------------------------------------------------------------
+# -- 5. llama-server's fields: honoured or refused by name -------------------------------------------------------------
 
 def test_n_predict_is_honoured(url):
     r = post(url, "/v1/completions", {"prompt": "Once upon a time", "n_predict": 3, "max_tokens": 50,
@@ -213,7 +213,7 @@ def test_id_slot_picks_the_slot(url):
         assert rows[slot]["n_prompt_tokens"] == n
 
 
-# -- 6. the key before anything ------------------------------------------------------------------------------------------
+# -- 6. the key before anything ----------------------------------------------------------------------------------------
 
 def test_the_key_comes_before_the_body_and_the_docs(url):
     for path in ("/docs", "/redoc"):
@@ -225,7 +225,7 @@ def test_the_key_comes_before_the_body_and_the_docs(url):
         assert error_of(r, 401)["code"] == "invalid_api_key"
 
 
-# -- 7. and 8. errors name the right field; strict types -----------------------------------------------------------------
+# -- 7. and 8. errors name the right field; strict types ---------------------------------------------------------------
 
 @pytest.mark.parametrize("extra,param", [
     ({"presence_penalty": 1e300}, "presence_penalty"),
@@ -259,7 +259,7 @@ def test_a_body_without_a_json_content_type_is_read_as_json(url):
     assert error_of(httpx.post(url + "/v1/completions", content=b"\xff\xfe", headers=H))["message"]
 
 
-# -- 9. idle connections and clients that stop reading -------------------------------------------------------------------
+# -- 9. idle connections and clients that stop reading -----------------------------------------------------------------
 
 def test_an_idle_connection_is_closed(url):
     port = int(url.rsplit(":", 1)[1])
@@ -301,7 +301,7 @@ def test_a_client_that_stops_reading_frees_its_slot(tmp_path):
             s.close()
 
 
-# -- 10. CORS -----------------------------------------------------------------------------------------------------------
+# -- 10. CORS ----------------------------------------------------------------------------------------------------------
 
 def test_web_pages_need_to_be_allowed(url):
     body = {"prompt": "hi", "max_tokens": 1}
@@ -322,7 +322,7 @@ def test_web_pages_need_to_be_allowed(url):
         "http://allowed.example"
 
 
-# -- 11. the command line -----------------------------------------------------------------------------------------------
+# -- 11. the command line ----------------------------------------------------------------------------------------------
 
 def test_cli_checks_before_loading(tmp_path):
     missing = tmp_path / "missing.gguf"
@@ -334,7 +334,7 @@ def test_cli_checks_before_loading(tmp_path):
     assert "1000 threads on a machine with" in r.stderr and r.returncode != 0
 
 
-# -- 7. a fuzzer over the request schema ----------------------------------------------------------------------------------
+# -- 7. a fuzzer over the request schema -------------------------------------------------------------------------------
 
 def test_fuzzed_requests_get_no_server_error(srv, url, tmp_path):
     _, proc = srv
