@@ -444,7 +444,7 @@ class Engine:
         if (prompt is None) == (chat_text is None):
             raise ValueError("give either a prompt or chat messages")
         if isinstance(prompt, list):  # token ids and text mixed, as llama-server's prompts may be
-            self._check_bytes(sum(len(p.encode("utf-8")) for p in prompt if isinstance(p, str)))
+            self._check_bytes(sum(len(utf8(p)) for p in prompt if isinstance(p, str)))
             return self._check_length(self.mixed_ids(prompt, special=True, bos=True))
         text = chat_text if chat_text is not None else prompt
         if not isinstance(text, str):

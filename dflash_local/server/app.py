@@ -348,7 +348,7 @@ async def respond_native(state: State, engine: Engine, body: NativeRequest, requ
     if body.stream:
         return event_stream(native.chunks(job, engine, body, state.metrics, t0, state.alias, generation.ids,
                                           state.n_predict))
-    done = await wait(job, request, state.metrics, t0)
+    done, _ = await whole(state, request, job, None, t0)
     if done is None:
         return JSONResponse({}, status_code=499)
     return native.completion_body(engine, body, done, job.slot, state.alias, generation.ids, state.n_predict)
