@@ -197,6 +197,7 @@ PYBIND11_MODULE(_native, m) {
              py::call_guard<py::gil_scoped_release>())  // a grammar takes a while to load
         .def_property_readonly("has_grammar", &Sampler::has_grammar)
         .def("grammar_prefix", &Sampler::grammar_prefix)
+        .def_property_readonly("keep", &Sampler::keep, "How much of a row the sampler reads: 1 its argmax, K its top K, 0 all")
         .def("take_logprobs", &Sampler::take_logprobs);
 
     py::class_<Draft>(m, "Draft")
@@ -267,9 +268,12 @@ PYBIND11_MODULE(_native, m) {
              "where the head is a quarter of the target's weights or more.")
         .def_property_readonly("greedy_head", &Session::greedy_head_active)
         .def_property_readonly("greedy_head_bytes", &Session::greedy_head_bytes)
-        .def("greedy_logits", &Session::greedy_logits, py::arg("row"),
+        .def_property_readonly("pruned_rows", &Session::pruned_rows,
+                               "Rows the greedy head computed since the session began: (for their argmax, for their top)")
+        .def("greedy_logits", &Session::greedy_logits, py::arg("row"), py::arg("top_k") = 1,
+             py::arg("forced") = std::vector<llama_token>{},
              "Row `row` of the last verify batch as the greedy head computes it: the exact logits of the tokens that "
-             "could be its largest, -inf elsewhere.")
+             "could be among its top_k largest and of the tokens `forced`, -inf elsewhere.")
         .def("truncate", &Session::truncate, py::arg("n"), py::arg("slot") = 0,
              py::call_guard<py::gil_scoped_release>())
         .def("prefill", &Session::prefill, py::arg("tokens"), py::arg("sampler").none(true), py::arg("index"),

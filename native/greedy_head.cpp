@@ -23,17 +23,26 @@
 // bound, and the best estimate's exact logit, is computed exactly.
 static constexpr double ROUNDING_MARGIN = 1e-3;
 
-static bool has_vnni() {
+// The int8 pass's kernel on this CPU: 2 AVX512-VNNI, 1 AVX2, 0 none.
+static int kernel() {
 #ifdef GREEDY_VNNI
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
+    static const int k = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512vnni")
+                             ? 2
+                         : __builtin_cpu_supports("avx2") ? 1
+                                                          : 0;
+    return k;
 #else
-    return false;
+    return 0;
 #endif
 }
 
+bool GreedyHead::fast() {
+    return kernel() == 2;
+}
+
 bool GreedyHead::supported(const ggml_tensor * w) {
-    if (!has_vnni() || !w || !w->data || w->extra || ggml_n_dims(w) != 2 || !ggml_is_contiguous(w) ||
+    if (kernel() == 0 || !w || !w->data || w->extra || ggml_n_dims(w) != 2 || !ggml_is_contiguous(w) ||
         (w->buffer && !ggml_backend_buffer_is_host(w->buffer))) {
         return false;
     }
@@ -45,7 +54,7 @@ bool GreedyHead::supported(const ggml_tensor * w) {
 #ifdef GREEDY_VNNI
 // One row of the copy: its bytes into the tile (the row's slot of each 256-byte chunk), and the sums of squares of
 // the row, of the copy and of their difference (16 float lanes; their rounding is far inside the bound's margin).
-__attribute__((target("avx512f"))) static void quantize_row(const float * x, int n_pad, uint8_t * tile, float & scale,
+__attribute__((target("avx512f"))) static void quantize_row_512(const float * x, int n_pad, uint8_t * tile, float & scale,
                                                           double & e2, double & n2, double & w2) {
     __m512 m = _mm512_setzero_ps();
     for (int i = 0; i < n_pad; i += 16) {
@@ -72,6 +81,34 @@ __attribute__((target("avx512f"))) static void quantize_row(const float * x, int
     n2 = _mm512_reduce_add_ps(n);
     w2 = _mm512_reduce_add_ps(w);
 }
+
+// The same in plain code, for CPUs without AVX512 (the same bytes: rounding to nearest, ties to even).
+static void quantize_row_any(const float * x, int n_pad, uint8_t * tile, float & scale, double & e2, double & n2,
+                             double & w2) {
+    float amax = 0.0f;
+    for (int i = 0; i < n_pad; ++i) {
+        amax = std::max(amax, std::fabs(x[i]));
+    }
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / s;
+    float e[16] = {}, n[16] = {}, w[16] = {};
+    for (int i = 0; i < n_pad; ++i) {
+        const float k = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] * inv)));
+        tile[256 * (i / 64) + i % 64] = (uint8_t) (int) (k + 128.0f);
+        const float c = s * k;
+        const float d = x[i] - c;
+        e[i % 16] += d * d;
+        n[i % 16] += c * c;
+        w[i % 16] += x[i] * x[i];
+    }
+    scale = s;
+    e2 = n2 = w2 = 0.0;
+    for (int l = 0; l < 16; ++l) {
+        e2 += e[l];
+        n2 += n[l];
+        w2 += w[l];
+    }
+}
 #endif
 
 GreedyHead::GreedyHead(const ggml_tensor * w, int nth)
@@ -95,7 +132,11 @@ GreedyHead::GreedyHead(const ggml_tensor * w, int nth)
             to_float((const char *) w->data + (size_t) v * w->nb[1], row.data(), n_embd);
             uint8_t * tile = &q[(size_t) (v / 4) * 4 * n_pad + 64 * (v % 4)];  // dots_vnni's order
             double e2, n2, w2;
-            quantize_row(row.data(), n_pad, tile, scale[v], e2, n2, w2);
+            if (kernel() == 2) {
+                quantize_row_512(row.data(), n_pad, tile, scale[v], e2, n2, w2);
+            } else {
+                quantize_row_any(row.data(), n_pad, tile, scale[v], e2, n2, w2);
+            }
             if (!std::isfinite(e2 + n2 + w2)) {  // a broken row is always computed exactly
                 scale[v] = 0.0f;
                 err[v] = std::numeric_limits<float>::infinity();
@@ -166,17 +207,79 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), optimize("unroll-loops")))
 
 #endif
 
-// The candidates of r rows x: for each row, in token order, the tokens that could have its largest logit, with their
-// exact logits; every other token's logit is below the largest. A row with a value that is not finite gets every
-// token.
-void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector<std::pair<int, float>>> & out) {
+#ifdef GREEDY_VNNI
+// dots_vnni's result on AVX2: the copy's bytes back to signed (q - 128, within +-127) so that vpmaddubsw's pairs of
+// |w| x (+-a) stay within int16 (2 x 127 x 127), plus 128 sum_i a[j][i] (off[j]), which vpdpbusd's unsigned bytes
+// carry.
+__attribute__((target("avx2"))) static inline __m128i sum4_avx2(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// L activation rows (1 or 2) against one tile of the copy: their 4 sums each.
+template <int L>
+__attribute__((target("avx2"), optimize("unroll-loops"))) static inline void tile_avx2(const uint8_t * tile, int nk,
+                                                                                      const int8_t * const * x,
+                                                                                      __m256i (&c)[4][2]) {
+    const __m256i flip = _mm256_set1_epi8((char) 0x80), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 4; ++i) {
+        c[i][0] = c[i][1] = _mm256_setzero_si256();
+    }
+    for (int k = 0; k < nk; ++k) {
+        const uint8_t * wk = tile + 256 * k;
+        _mm_prefetch((const char *) wk + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *) wk + 2048 + 128, _MM_HINT_T0);
+        for (int h = 0; h < 64; h += 32) {
+            __m256i xv[L];
+            for (int l = 0; l < L; ++l) {
+                xv[l] = _mm256_loadu_si256((const __m256i *) (x[l] + 64 * k + h));
+            }
+            for (int i = 0; i < 4; ++i) {
+                const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) (wk + 64 * i + h)), flip);
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                for (int l = 0; l < L; ++l) {
+                    const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[l], w));
+                    c[i][l] = _mm256_add_epi32(c[i][l], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2"))) static void dots_avx2(const uint8_t * q, int n_pad, int v0, int v1, const int8_t * a,
+                                                     int r, const int32_t * off, int32_t * dots, int stride) {
+    const int nk = n_pad / 64;
+    for (int v = v0; v < v1; v += 4) {
+        const uint8_t * tile = q + (size_t) v * n_pad;
+        for (int j = 0; j < r; j += 2) {
+            const int8_t * x[2] = {a + (size_t) j * n_pad, a + (size_t) std::min(j + 1, r - 1) * n_pad};
+            __m256i c[4][2];
+            if (j + 1 < r) {
+                tile_avx2<2>(tile, nk, x, c);
+            } else {
+                tile_avx2<1>(tile, nk, x, c);
+            }
+            for (int l = 0; l < 2 && j + l < r; ++l) {
+                const __m128i s = _mm_add_epi32(sum4_avx2(c[0][l], c[1][l], c[2][l], c[3][l]), _mm_set1_epi32(off[j + l]));
+                _mm_storeu_si128((__m128i *) &dots[(size_t) (j + l) * stride + v - v0], s);
+            }
+        }
+    }
+}
+#endif
+
+// The candidates of r rows x: for row j, in token order, the tokens that could be among its k[j] largest logits and
+// the tokens forced[j], with their exact logits; every other token has k[j] tokens with larger logits. A row with a
+// value that is not finite gets every token.
+void GreedyHead::select(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced,
+                        std::vector<std::vector<std::pair<int, float>>> & out) {
     const ggml_type_traits_cpu * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     const ggml_to_float_t dequant = ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
     const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, n_embd);
     std::vector<char> xq((size_t) r * xrow);  // the rows as vec_dot reads them
     std::vector<int8_t> a((size_t) r * n_pad, 0);
     std::vector<float> d(r), na(r), ea(r), ad(n_embd);
-    std::vector<int32_t> sum(r);
+    std::vector<int32_t> sum(r), off(r);
     bool finite = true;
     for (int j = 0; j < r; ++j) {
         tq->from_float(x + (size_t) j * n_embd, &xq[j * xrow], n_embd);
@@ -195,14 +298,15 @@ void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector
         double n2 = 0.0, e2 = 0.0;
         int32_t s = 0;
         for (int i = 0; i < n_embd; ++i) {
-            const int k = std::clamp((int) std::lround(ad[i] / d[j]), -127, 127);
-            a[(size_t) j * n_pad + i] = (int8_t) k;
-            s += k;
-            const double c = (double) d[j] * k;
+            const int q8 = std::clamp((int) std::lround(ad[i] / d[j]), -127, 127);
+            a[(size_t) j * n_pad + i] = (int8_t) q8;
+            s += q8;
+            const double c = (double) d[j] * q8;
             n2 += (double) ad[i] * ad[i];
             e2 += (ad[i] - c) * (ad[i] - c);
         }
         sum[j] = s;
+        off[j] = 128 * s;
         na[j] = (float) (std::sqrt(n2) * (1.0 + 1e-6));
         ea[j] = (float) (std::sqrt(e2) * (1.0 + 1e-6));
     }
@@ -228,39 +332,67 @@ void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector
 #ifndef GREEDY_VNNI
     throw std::logic_error("the greedy head has no kernel on this CPU");
 #else
+    auto is_forced = [&](int j, int v) {
+        return forced && std::binary_search(forced[j].begin(), forced[j].end(), v);
+    };
+    auto argmax_row = [&](int j) { return k[j] == 1 && (!forced || forced[j].empty()); };
     auto bounds = [&](int t) {  // thread t's rows of the matrix, in whole tiles
         return t == nth ? n_vocab : (int) ((int64_t) n_vocab * t / nth) / 4 * 4;
     };
-    // pass 1, per thread and row: the largest lower bound so far (a logit the row's largest reaches), the tokens
-    // whose upper bound reaches it when seen (with that bound), and the token with the largest estimate
+    const bool vnni = kernel() == 2;
+    // pass 1, per thread and row: the k largest lower bounds so far, of tokens not forced (a min-heap; greedy: the
+    // largest, lo), the tokens whose upper bound reaches the k-th of them when seen (with that bound), and the token
+    // with the largest estimate
     std::vector<std::vector<std::pair<int, float>>> seen((size_t) nth * r);
     std::vector<float> low((size_t) nth * r, -INFINITY);
+    std::vector<std::vector<float>> heaps((size_t) nth * r);
     std::vector<std::pair<float, int>> best((size_t) nth * r, {-INFINITY, 0});
 #    pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
         constexpr int CHUNK = 256;
         std::vector<int32_t> dots((size_t) CHUNK * r);
-        std::vector<float> est(CHUNK), ub(CHUNK);
+        std::vector<float> est(CHUNK), ub(CHUNK), lb(CHUNK);
         for (int c0 = bounds(t); c0 < bounds(t + 1); c0 += CHUNK) {
             const int c1 = std::min(c0 + CHUNK, bounds(t + 1));
-            dots_vnni(q.get(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
+            if (vnni) {
+                dots_vnni(q.get(), n_pad, c0, c1, a.data(), r, dots.data(), CHUNK);
+            } else {
+                dots_avx2(q.get(), n_pad, c0, c1, a.data(), r, off.data(), dots.data(), CHUNK);
+            }
             for (int j = 0; j < r; ++j) {
                 const int32_t * dj = &dots[(size_t) j * CHUNK];
-                const int32_t off = 128 * sum[j];
                 float top = -INFINITY;
                 float lo = low[(size_t) t * r + j];
                 for (int v = c0; v < c1; ++v) {
-                    const float e = (float) (dj[v - c0] - off) * (scale[v] * d[j]);
+                    const float e = (float) (dj[v - c0] - off[j]) * (scale[v] * d[j]);
                     const float margin = err[v] * na[j] + norm[v] * ea[j];  // NaN for a broken row: kept below
                     est[v - c0] = e;
                     ub[v - c0] = e + margin;
+                    lb[v - c0] = e - margin;
                     top = std::max(top, e);
-                    lo = e - margin > lo ? e - margin : lo;
+                }
+                if (argmax_row(j)) {
+                    for (int v = c0; v < c1; ++v) {
+                        lo = lb[v - c0] > lo ? lb[v - c0] : lo;
+                    }
+                } else {
+                    auto & h = heaps[(size_t) t * r + j];
+                    for (int v = c0; v < c1; ++v) {
+                        if (lb[v - c0] > lo && !is_forced(j, v)) {
+                            h.push_back(lb[v - c0]);
+                            std::push_heap(h.begin(), h.end(), std::greater<float>());
+                            if ((int) h.size() > k[j]) {
+                                std::pop_heap(h.begin(), h.end(), std::greater<float>());
+                                h.pop_back();
+                            }
+                            lo = (int) h.size() == k[j] ? h.front() : -INFINITY;
+                        }
+                    }
                 }
                 low[(size_t) t * r + j] = lo;
                 auto & keep = seen[(size_t) t * r + j];
                 for (int v = c0; v < c1; ++v) {
-                    if (!(ub[v - c0] < lo)) {
+                    if (!(ub[v - c0] < lo) && !is_forced(j, v)) {
                         keep.push_back({v, ub[v - c0]});
                     }
                 }
@@ -271,18 +403,30 @@ void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector
             }
         }
     }
-    // the threshold: the largest lower bound, or the best estimate's exact logit where larger; a token whose upper
-    // bound is below it has a logit below the row's largest
+    // the threshold: the k-th largest lower bound over all threads (greedy: or the best estimate's exact logit
+    // where larger); a token not forced whose upper bound is below it has k tokens above it
     std::vector<float> floor(r);
     for (int j = 0; j < r; ++j) {
-        std::pair<float, int> b = best[j];
-        float lo = low[j];
-        for (int t = 1; t < nth; ++t) {
-            b = std::max(b, best[(size_t) t * r + j]);
-            lo = std::max(lo, low[(size_t) t * r + j]);
+        if (argmax_row(j)) {
+            std::pair<float, int> b = best[j];
+            float lo = low[j];
+            for (int t = 1; t < nth; ++t) {
+                b = std::max(b, best[(size_t) t * r + j]);
+                lo = std::max(lo, low[(size_t) t * r + j]);
+            }
+            const float e = exact(b.second, j);
+            floor[j] = e > lo ? e : lo;
+            continue;
         }
-        const float e = exact(b.second, j);
-        floor[j] = e > lo ? e : lo;
+        std::vector<float> all;
+        for (int t = 0; t < nth; ++t) {
+            all.insert(all.end(), heaps[(size_t) t * r + j].begin(), heaps[(size_t) t * r + j].end());
+        }
+        floor[j] = -INFINITY;
+        if ((int) all.size() >= k[j]) {
+            std::nth_element(all.begin(), all.begin() + (k[j] - 1), all.end(), std::greater<float>());
+            floor[j] = all[k[j] - 1];
+        }
     }
     // pass 2: the exact logits of the tokens whose bound reaches it (NaN bounds included); the threads' tokens in
     // order, thread after thread
@@ -299,16 +443,22 @@ void GreedyHead::select(const float * x, int r, int nth, std::vector<std::vector
     }
     for (int j = 0; j < r; ++j) {
         for (int t = 0; t < nth; ++t) {
-            const auto & k = kept[(size_t) t * r + j];
-            out[j].insert(out[j].end(), k.begin(), k.end());
+            const auto & kt = kept[(size_t) t * r + j];
+            out[j].insert(out[j].end(), kt.begin(), kt.end());
+        }
+        if (forced && !forced[j].empty()) {
+            for (int32_t v : forced[j]) {
+                out[j].push_back({v, exact(v, j)});
+            }
+            std::sort(out[j].begin(), out[j].end());
         }
     }
 #endif
 }
 
-void GreedyHead::compute(const float * x, float * y, int r, int nth) {
+void GreedyHead::top(const float * x, float * y, int r, int nth, const int * k, const std::vector<int32_t> * forced) {
     std::vector<std::vector<std::pair<int, float>>> rows;
-    select(x, r, nth, rows);
+    select(x, r, nth, k, forced, rows);
     for (int j = 0; j < r; ++j) {
         float * yj = y + (size_t) j * n_vocab;
         std::fill(yj, yj + n_vocab, -INFINITY);
@@ -322,7 +472,8 @@ void GreedyHead::compute(const float * x, float * y, int r, int nth) {
 // the largest never changes what it finds, whatever else the row holds.
 void GreedyHead::argmax(const float * x, int32_t * tokens, int r, int nth) {
     std::vector<std::vector<std::pair<int, float>>> rows;
-    select(x, r, nth, rows);
+    const std::vector<int> ones(r, 1);
+    select(x, r, nth, ones.data(), nullptr, rows);
     for (int j = 0; j < r; ++j) {
         int best = 0;
         float top = -INFINITY;  // token 0's, unless it is a candidate

@@ -111,7 +111,9 @@ struct Ranked {
     void extend() {
         const float next = bands < 3 ? std::max(lmax - gap, floor) : floor;
         for (int i = 0; i < n_vocab; ++i) {
-            if (logits[i] >= next && logits[i] < lo) {
+            // a -inf token is never drawn (its term is 0 in every sum): a row with -inf past its top (the greedy
+            // head's, Sampler::keep) or banned tokens need not list them
+            if (logits[i] >= next && logits[i] < lo && logits[i] > -INFINITY) {
                 cand.push_back({logits[i], i});
             }
         }
@@ -404,6 +406,26 @@ Sampler::~Sampler() {
     if (grammar) {
         llama_sampler_free(grammar);
     }
+}
+
+int Sampler::keep() const {
+    if (greedy()) {
+        return 1;
+    }
+    const bool top_row = params.temperature > 0.0f && params.top_k > 0 && params.top_k <= MAX_TOP_ROW &&
+                         params.top_k < n_vocab && !grammar && n_top < 0;
+    return top_row ? std::max(params.top_k, 2) : 0;
+}
+
+std::vector<llama_token> Sampler::touched() const {
+    std::vector<llama_token> out;
+    for (const auto & [tok, b] : bias) {
+        out.push_back(tok);
+    }
+    for (const auto & [tok, count] : counts) {
+        out.push_back(tok);
+    }
+    return out;
 }
 
 // Sample generated token number `index` from a target row, and take it in.

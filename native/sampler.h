@@ -105,6 +105,14 @@ public:
     bool greedy() const {
         return params.temperature <= 0.0f && bias.empty() && !pen.active() && !grammar && n_top < 0;
     }
+    // How much of a row next() reads: 1 its argmax only (greedy()); K > 1 its K largest logits after the logit biases
+    // and penalties, the tokens past them never drawn whatever their logits (a top-k of at most MAX_TOP_ROW, and no
+    // grammar, whose redraw reads the whole row, nor logprobs); 0 all of it. A row may then hold -inf past its top,
+    // except at touched() tokens (docs/lossless.md).
+    int keep() const;
+    // The tokens whose logits the controls change: the logit biases' and, with penalties, the window's.
+    std::vector<llama_token> touched() const;
+    static constexpr int MAX_TOP_ROW = 1024;
     llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand);
     llama_token judge(const float * logits, llama_token x, const float * q, uint64_t index);
     const Sampling & sampling() const { return params; }

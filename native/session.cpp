@@ -266,8 +266,7 @@ StepResult Session::step(llama_token last, const std::vector<llama_token> & draf
                          bool rejection, int head_rows, int slot) {
     Slot & sl = at(slot);
     check_step(sl, last, draft, s, rejection);
-    head_first = std::max(head_rows, 1);
-    head_greedy = !rejection && s.greedy();
+    head_next = head_range(0, 0, head_rows, s, rejection, draft);
     StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
     sl.q_tokens.clear();  // its distributions are spent
     return r;
@@ -387,8 +386,8 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             for (size_t j = 0; j < group.size(); ++j) {
                 const int rows = (int) res[group[j]].draft.size() + 1;
                 const SlotStep & st = steps[group[j]];
-                head_ranges.push_back(
-                    {row0[j], row0[j] + rows, 0, std::max(st.head_rows, 1), !st.rejection && st.sampler->greedy()});
+                head_ranges.push_back(head_range(row0[j], row0[j] + rows, st.head_rows, *st.sampler, st.rejection,
+                                                 res[group[j]].draft));
             }
             double shared_head_ms = 0.0;
             if (hidden_rows > 0) {
@@ -465,56 +464,80 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
     return res;
 }
 
-// The LM head of the next more[w] rows of each of the head ranges `which` (after the rows they have), in one call:
-// the matrix is read once for all of them. Returns its milliseconds.
+// The LM head of the next more[w] rows of each of the head ranges `which` (after the rows they have), in one call
+// per kind of row (argmax, top, full): the matrix is read once for all of them. Returns its milliseconds.
 double Session::head_more(const std::vector<size_t> & which, const std::vector<int> & more) {
     const auto t0 = std::chrono::steady_clock::now();
     const int n_vocab = tgt.n_vocab();
     std::vector<float> & x = head_x;
     std::vector<float> & y = head_y;
     std::vector<int32_t> best;
-    // where the greedy head is built, greedy ranges in one call and the others in another; else all in one
-    auto pruned = [&](const HeadRange & h) { return h.greedy && greedy_head; };
-    for (bool greedy : {true, false}) {
+    for (char kind : {PRUNED_ARGMAX, PRUNED_TOP, FULL}) {
         x.clear();
+        std::vector<const HeadRange *> of;  // each row's range
         for (size_t w = 0; w < which.size(); ++w) {
             const HeadRange & h = head_ranges[which[w]];
-            if (pruned(h) == greedy) {
+            if (pruned_kind(h) == kind) {
                 x.insert(x.end(), &hidden[(size_t) (h.lo + h.done) * n_embd],
                          &hidden[(size_t) (h.lo + h.done + more[w]) * n_embd]);
+                of.insert(of.end(), more[w], &h);
             }
         }
         const int m_all = (int) (x.size() / n_embd);
         if (m_all == 0) {
             continue;
         }
-        if (greedy) {
+        if (kind == PRUNED_ARGMAX) {
             best.resize(m_all);
             greedy_argmax(x.data(), best.data(), m_all);
         } else {
             if (y.size() < (size_t) m_all * n_vocab) {
                 y.resize((size_t) m_all * n_vocab);
             }
-            compute_head(x.data(), y.data(), m_all);
+            if (kind == PRUNED_TOP) {
+                top_rows(x.data(), y.data(), m_all, of);
+            } else {
+                compute_head(x.data(), y.data(), m_all);
+            }
         }
         int off = 0;
         for (size_t w = 0; w < which.size(); ++w) {
             HeadRange & h = head_ranges[which[w]];
-            if (pruned(h) != greedy) {
+            if (pruned_kind(h) != kind) {
                 continue;
             }
-            if (greedy) {
+            if (kind == PRUNED_ARGMAX) {
                 std::copy_n(&best[off], more[w], &row_best[h.lo + h.done]);
             } else {
                 std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[(size_t) off * n_vocab],
                             (size_t) more[w] * n_vocab * sizeof(float));
             }
-            std::fill_n(&row_pruned[h.lo + h.done], more[w], (char) greedy);
+            std::fill_n(&row_pruned[h.lo + h.done], more[w], kind);
             off += more[w];
             h.done += more[w];
         }
     }
     return ms_since(t0);
+}
+
+// How a range's rows are computed: their argmax only, their top, or in full (without the greedy head, in full).
+char Session::pruned_kind(const HeadRange & h) const {
+    return !greedy_head || h.keep == 0 ? FULL : h.keep == 1 ? PRUNED_ARGMAX : PRUNED_TOP;
+}
+
+// A slot's block of rows [lo, hi) in the next decode, read by sampler s: the first head call computes `first` of
+// them, and where s reads only a row's top (not when it judges drafts by rejection sampling), only that; the tokens
+// whose logits s may change meanwhile are its controls' and the drafts it may take in before the last row.
+Session::HeadRange Session::head_range(int lo, int hi, int first, const Sampler & s, bool rejection,
+                                       const std::vector<llama_token> & draft) const {
+    HeadRange h{lo, hi, 0, std::max(first, 1), rejection ? 0 : s.keep(), {}};
+    if (h.keep > 1) {
+        h.forced = s.touched();
+        h.forced.insert(h.forced.end(), draft.begin(), draft.end());
+        std::sort(h.forced.begin(), h.forced.end());
+        h.forced.erase(std::unique(h.forced.begin(), h.forced.end()), h.forced.end());
+    }
+    return h;
 }
 
 // llama.cpp's abort callback on the target context, asked between the graph's nodes: give up a batched step's decode
@@ -636,7 +659,7 @@ void Session::build_greedy_head() {
     if (greedy_head_mode == 0 || !head_w || greedy_head || !GreedyHead::supported(head_w)) {
         return;
     }
-    if (greedy_head_mode == 1 || 4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model)) {
+    if (greedy_head_mode == 1 || (GreedyHead::fast() && 4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model))) {
         greedy_head = std::make_unique<GreedyHead>(head_w, (int) llama_n_threads_batch(ctx_tgt));
     }
 }
@@ -661,13 +684,19 @@ py::array_t<float> Session::logits(int row) {
     return out;
 }
 
-py::array_t<float> Session::greedy_logits(int row) {
+py::array_t<float> Session::greedy_logits(int row, int top_k, std::vector<llama_token> forced) {
     if (!greedy_head_active() || row < 0 || row >= hidden_rows) {
         throw std::invalid_argument("no greedy head for row " + std::to_string(row) + " of the last target decode");
     }
+    if (top_k < 1) {
+        throw std::invalid_argument("top_k must be at least 1");
+    }
+    check_tokens(forced);
+    std::sort(forced.begin(), forced.end());
+    forced.erase(std::unique(forced.begin(), forced.end()), forced.end());
     LogScope log(verbose);
     py::array_t<float> out(tgt.n_vocab());
-    greedy_head->compute(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, head_threads(1));
+    greedy_head->top(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, head_threads(1), &top_k, &forced);
     return out;
 }
 
@@ -802,7 +831,8 @@ py::array_t<float> Session::features() const {
 }
 
 // Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output). A row of a
-// greedy range comes back null, unless `full`: the greedy head gave only its argmax (row_best).
+// greedy range comes back null, unless `full`: the greedy head gave only its argmax (row_best); a row of a top-k
+// range has -inf past its top, unless `full`.
 const float * Session::target_row(int i, bool full) {
     if (hidden_rows == 0) {
         return logits_row(ctx_tgt, i < 0 ? i + n_rows : i, "target");  // the scratch row's are not ours
@@ -822,20 +852,23 @@ const float * Session::target_row(int i, bool full) {
         // block whose drafts are accepted pays a few calls, and one rejected early one or two rows
         const int end = std::min(h->hi, std::max(i + 1, h->lo + (h->done ? 2 * h->done : h->first)));
         const int i0 = h->lo + h->done;
-        const bool greedy = h->greedy && !full && greedy_head;
-        if (greedy) {
+        const char kind = full ? FULL : pruned_kind(*h);
+        if (kind == PRUNED_ARGMAX) {
             greedy_argmax(&hidden[(size_t) i0 * n_embd], &row_best[i0], end - i0);
+        } else if (kind == PRUNED_TOP) {
+            top_rows(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0,
+                     std::vector<const HeadRange *>(end - i0, &*h));
         } else {
             compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0);
         }
-        std::fill(&row_pruned[i0], &row_pruned[end], (char) greedy);
+        std::fill(&row_pruned[i0], &row_pruned[end], kind);
         h->done = end - h->lo;
     }
-    if (full && row_pruned[i]) {
+    if (full && row_pruned[i] != FULL) {
         compute_head(&hidden[(size_t) i * n_embd], &head_logits[i * n_vocab], 1);
-        row_pruned[i] = 0;
+        row_pruned[i] = FULL;
     }
-    return row_pruned[i] ? nullptr : &head_logits[i * n_vocab];
+    return row_pruned[i] == PRUNED_ARGMAX ? nullptr : &head_logits[i * n_vocab];
 }
 
 // The token the sampler takes from row i of the last target decode (as target_row counts rows): a pruned row's
@@ -858,6 +891,22 @@ void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
     const auto t0 = std::chrono::steady_clock::now();
     greedy_head->argmax(x_rows, best, r, head_threads(r));
     head_ms += ms_since(t0);
+    n_argmax_rows += r;
+}
+
+// The top of r final-norm rows x of top-k ranges, by the greedy head: row j the top of[j]->keep logits and the
+// range's forced tokens, -inf elsewhere.
+void Session::top_rows(const float * x_rows, float * y_rows, int r, const std::vector<const HeadRange *> & of) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<int> k(r);
+    std::vector<std::vector<int32_t>> forced(r);
+    for (int j = 0; j < r; ++j) {
+        k[j] = of[j]->keep;
+        forced[j] = of[j]->forced;
+    }
+    greedy_head->top(x_rows, y_rows, r, head_threads(r), k.data(), forced.data());
+    head_ms += ms_since(t0);
+    n_top_rows += r;
 }
 
 // The LM head of r final-norm rows x into their logits y.
@@ -1260,7 +1309,7 @@ StepResult Session::step_unchecked(llama_token last, const std::vector<llama_tok
     // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
     // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
     decode_target(block.data(), (int) block.size(), sl.past,
-                  r.draft.empty() && !pad && !(head_greedy && greedy_head) ? LogitsAll : LogitsOnDemand,
+                  r.draft.empty() && !pad && !(head_next.keep && greedy_head) ? LogitsAll : LogitsOnDemand,
                   slot);
     r.verify_ms = ms_since(t1);
     head_ms = 0.0;
@@ -1385,7 +1434,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     n_real_out = n_real_out < 0 ? n_outputs : n_real_out;
     const size_t width = layers.size() * (size_t) n_embd;
     lazy = on_demand && head_on_demand && head_w;
-    const bool greedy_range = std::exchange(head_greedy, false);  // for this decode only: step() sets it
+    HeadRange range = std::exchange(head_next, HeadRange{0, 0, 0, 1, 0, {}});  // for this decode only: step() sets it
     probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
     probe_prev = probe_w = nullptr;
     probe_tail = 0;
@@ -1430,7 +1479,8 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
         hidden_rows = n_real;
-        head_ranges = {{0, n_real, 0, head_first, greedy_range}};
+        range.hi = n_real;
+        head_ranges = {std::move(range)};
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;

@@ -131,11 +131,14 @@ public:
     // default where the target's graph allows it; off: llama.cpp computes every row's logits in the batch).
     void set_head_on_demand(bool on) { head_on_demand = on; }
     bool head_on_demand_active() const { return head_on_demand && head_w; }
-    // Whether greedy rows compute only their argmax (greedy_head.h): true wherever the head's type and the CPU allow,
-    // false never, none (the default) where the head is a large part of the target.
+    // Whether greedy rows compute only their argmax, and top-k rows their top (greedy_head.h): true wherever the
+    // head's type and the CPU allow, false never, none (the default) where the head is a large part of the target
+    // and the CPU has AVX512-VNNI.
     void set_greedy_head(std::optional<bool> on);
     bool greedy_head_active() const { return head_on_demand_active() && greedy_head != nullptr; }
     size_t greedy_head_bytes() const { return greedy_head ? greedy_head->bytes() : 0; }
+    // Rows the greedy head has computed since the session began: for their argmax only, and for their top.
+    std::pair<int64_t, int64_t> pruned_rows() const { return {n_argmax_rows, n_top_rows}; }
 
     void truncate(int n, int slot = 0);
     llama_token prefill(const std::vector<llama_token> & tokens, Sampler * s, uint64_t index, int slot = 0);
@@ -149,7 +152,7 @@ public:
     void interrupt(bool on = true) { interrupt_wanted = on; }
     void trim();
     py::array_t<float> logits(int row);
-    py::array_t<float> greedy_logits(int row);
+    py::array_t<float> greedy_logits(int row, int top_k, std::vector<llama_token> forced);
 
     // Keep the logits of every noise block, for draft_logits() (parity checks and analysis; costs a copy).
     void keep_draft_logits(bool on) { keep_draft = on; }
@@ -287,20 +290,23 @@ private:
     std::vector<float> head_logits;    // [hidden_rows, n_vocab]
     // The rows of one slot's block in the last decode, [lo, hi): the accept loop reads them in order, and rows
     // [lo, lo + done) have their LM head computed; the first call computes `first` rows (step's head_rows).
-    // greedy: its rows are read by a greedy sampler, which needs only their argmax (greedy_head).
+    // keep: how much of a row its sampler reads (Sampler::keep: 0 all, 1 the argmax, K its top K), and forced the
+    // tokens whose logits it may change (sorted: its controls' tokens and the block's drafts), for the greedy head.
     struct HeadRange {
         int lo, hi, done, first;
-        bool greedy;
+        int keep;
+        std::vector<int32_t> forced;
     };
     std::vector<HeadRange> head_ranges;
-    int head_first = 1;                // the first head call's rows of the next decode's one range
-    bool head_greedy = false;          // and whether that range is greedy (the next decode's only)
+    HeadRange head_next{0, 0, 0, 1, 0, {}};  // the next decode's one range, as step() sets it (its rows: all)
     double head_ms = 0.0;              // time in compute_head since the step began
     // The greedy LM head (greedy_head.h), where the output matrix is at least a quarter of the target's weights
-    // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, marked in
-    // row_pruned; logits() computes such a row in full.
+    // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, and rows of
+    // a top-k range for their top (PRUNED_ARGMAX, PRUNED_TOP in row_pruned); logits() computes such a row in full.
     int greedy_head_mode = -1;         // -1: where it pays, 0: off, 1: wherever it can
     std::unique_ptr<GreedyHead> greedy_head;
+    int64_t n_argmax_rows = 0, n_top_rows = 0;
+    enum : char { FULL = 0, PRUNED_ARGMAX = 1, PRUNED_TOP = 2 };
     std::vector<char> row_pruned;      // [hidden_rows]
     std::vector<int32_t> row_best;     // [hidden_rows] the argmax of a pruned row, whose logits are not written
     // head_more's rows and logits: kept between calls, since a fresh 1 MB per row each call costs page faults
@@ -310,6 +316,10 @@ private:
     llama_token sample_row_of(int i, Sampler & s, uint64_t index);
     void compute_head(const float * x_rows, float * y_rows, int r);
     void greedy_argmax(const float * x_rows, int32_t * best, int r);
+    void top_rows(const float * x_rows, float * y_rows, int r, const std::vector<const HeadRange *> & of);
+    char pruned_kind(const HeadRange & h) const;
+    HeadRange head_range(int lo, int hi, int first, const Sampler & s, bool rejection,
+                         const std::vector<llama_token> & draft) const;
     int head_threads(int r) const;
     void build_greedy_head();
     double head_more(const std::vector<size_t> & which, const std::vector<int> & more);

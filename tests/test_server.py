@@ -146,7 +146,8 @@ def test_props(server, tiny_target):
     settings = p["default_generation_settings"]
     assert settings["n_ctx"] == 1024
     assert settings["params"]["n_predict"] == settings["params"]["max_tokens"] == 2048
-    assert settings["params"]["temperature"] == 1.0 and settings["params"]["top_k"] == 0
+    # llama-server's defaults for a field left out: its chain of top-k 40, top-p 0.95, min-p 0.05, temperature 0.8
+    assert [settings["params"][k] for k in ("temperature", "top_k", "top_p", "min_p")] == [0.8, 40, 0.95, 0.05]
     assert settings["params"]["speculative.n_max"] == 7  # block size 8: the anchor and 7 drafted tokens
     assert settings["params"]["speculative.types"] == "dflash"  # an Engine made without n-gram drafts
     assert p["model_path"] == tiny_target.name and p["model_alias"] == "tiny" and p["total_slots"] == 1

@@ -35,7 +35,7 @@ class MessagesRequest(BaseModel):
     system: str | list[dict] | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # Anthropic requires it; absent: the server's -n
     stop_sequences: list[str] | None = None
-    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)  # left out: llama-server's defaults
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     stream: bool = False
@@ -52,8 +52,8 @@ class MessagesRequest(BaseModel):
         for i, m in enumerate(self.messages):
             messages += _messages(m, f"messages.{i}")
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "stop": self.stop_sequences,
-                "temperature": self.temperature, "top_p": self.top_p if self.top_p is not None else 1.0,
-                "top_k": self.top_k or 0, "stream": self.stream}
+                "stream": self.stream}
+        body |= {name: getattr(self, name) for name in ("temperature", "top_p", "top_k") if getattr(self, name) is not None}
         if self.tools:
             body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:

@@ -41,8 +41,8 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)  # left out: llama-server's defaults
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -58,9 +58,9 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, why, param=name)
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += [{"role": "user", "content": self.input}] if isinstance(self.input, str) else _items(self.input)
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls}
+        body |= {name: getattr(self, name) for name in ("temperature", "top_p") if getattr(self, name) is not None}
         if self.tools:
             body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:

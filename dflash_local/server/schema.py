@@ -87,10 +87,12 @@ class GenerationRequest(BaseModel):
     samplers: list[str] | str | None = None
     timings_per_token: bool = False  # every stream chunk carries the timings so far
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # above OpenAI's 2, as llama-server (sampling.py)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, le=2**31 - 1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    # a field left out takes llama-server's default (common_params_sampling): its chain of top-k 40, top-p 0.95,
+    # min-p 0.05 and temperature 0.8, which frontends that send only a temperature get there too
+    temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE)  # above OpenAI's 2, as llama-server (sampling.py)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    top_k: int = Field(default=40, ge=0, le=2**31 - 1)
+    min_p: float = Field(default=0.05, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
