@@ -1,6 +1,6 @@
 """Plain decoding speed when sampling vs greedy, and the sampler's own time per row, in one process.
 
-    python bench/sampling_speed.py [-m target.gguf] [-n 64] [--rounds 5] [--json out.json]
+    python bench/sampling_speed.py [-m target.gguf] [-n 64] [--rounds 5] [--greedy-head auto|on|off] [--json out.json]
 
 Plain decoding (no drafter) of a few prompts under several sampling settings; every round runs each setting once,
 in turn, so a busy machine slows all settings alike. Reports the median tokens/s per setting and its ratio to greedy
@@ -28,6 +28,7 @@ SETTINGS = {
     "temp 1": dict(temperature=1.0),
     "temp 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "temp 1, top_k 40": dict(temperature=1.0, top_k=40),
+    "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # and llama-server's
     "temp 1, min_p 0.05": dict(temperature=1.0, min_p=0.05),
 }
 
@@ -81,18 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--greedy-head", choices=["auto", "on", "off"], default="auto",
+                    help="the greedy head (argmax and top-k rows): where it pays (default), wherever it can, never")
     args = ap.parse_args(argv)
 
     engine = Engine(args.model or default_target(), None, n_ctx=1024, n_threads=args.threads)
     prompts = [p["prompt"] for p in DEFAULT_PROMPTS[: args.prompts]]
     engine.complete(prompts[0], max_tokens=8, draft=False)  # warm-up
+    engine.session.set_greedy_head({"auto": None, "on": True, "off": False}[args.greedy_head])
     speeds = decode_speed(engine, prompts, args.max_tokens, args.rounds)
     rows = logits_rows(engine, prompts)
     per_row = sampler_ms(rows, repeats=5)
 
     greedy = statistics.median(speeds["greedy"])
+    argmax_rows, top_rows = engine.session.pruned_rows
     print(f"plain decoding, {len(prompts)} prompts x {args.max_tokens} tokens x {args.rounds} rounds "
-          f"(settings alternating), vocabulary {engine.target.n_vocab}")
+          f"(settings alternating), vocabulary {engine.target.n_vocab}; greedy head "
+          f"{'on' if engine.session.greedy_head else 'off'} ({argmax_rows} rows computed for their argmax, {top_rows} "
+          f"for their top)")
     print(f"{'setting':<22} {'tok/s':>7} {'vs greedy':>9} {'sampler ms/row':>15}")
     report = {}
     for name in SETTINGS:

@@ -7,6 +7,12 @@ position is tried); the target's verify cost T(k) for k = 1..B, the draft cost, 
 too (the other DFlash rows leave them out: they measure the drafter); llama-cpp-python's prompt-lookup decoding as a
 peer row; with --llama-server, upstream llama-server's plain and speculative configurations over the same prompts
 (peers.py), after ours. Greedy outputs must be token-identical to the baseline: any mismatch fails the run.
+
+With --temp above 0 every row samples (the chain --top-k, --top-p, --min-p, llama.cpp's defaults unless given; prompt i
+with seed --seed + i, llama-server's rows too): the DFlash rows verify by matching the target's own sample, so their
+outputs must equal the sampled baseline's, and a row verifying by rejection sampling (--spec-sampling rejection: the
+same distribution, other tokens) reports its speed and acceptance beside them. The prompt-lookup peer is greedy only
+and is left out.
 """
 
 from __future__ import annotations
@@ -161,31 +167,55 @@ def row_request(row: dict) -> dict:
     return {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
 
 
+def prompt_sampling(sampling: dict | None, i: int) -> dict:
+    """Prompt i's sampling: the bench's, with seed + i; {} when greedy."""
+    return sampling | {"seed": sampling["seed"] + i} if sampling else {}
+
+
 def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool = True, log=print,
-              llama_server: str | None = None, llama_server_args: list[str] = (), out: Path | None = None) -> dict:
-    """Our rows for every prompt; with llama_server (its path), its rows after ours, logs in `out`."""
+              llama_server: str | None = None, llama_server_args: list[str] = (), out: Path | None = None,
+              sampling: dict | None = None) -> dict:
+    """Our rows for every prompt; with llama_server (its path), its rows after ours, logs in `out`. sampling:
+    temperature, top_k, top_p, min_p and seed of sampled rows (None: greedy)."""
     rows, prompt_ids, plain_ids = [], [], []
+    peer = peer and not sampling
     for i, row in enumerate(prompts):
-        r, ids, plain = bench_prompt(engine, row, max_tokens, peer)
+        r, ids, plain = bench_prompt(engine, row, max_tokens, peer, prompt_sampling(sampling, i))
         rows.append(r)
         prompt_ids.append(ids)
         plain_ids.append(plain)
         log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
+            + (f", rejection sampling {r['rejection_tokens_per_second']:.1f} tok/s, tau "
+               f"{r['rejection_mean_acceptance_length']:.2f}" if sampling else "")
             + (f", prompt-lookup peer {r['prompt_lookup_error']}" if r.get("prompt_lookup_error") else "")
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
     overall = summarize(engine, rows, max_tokens, peer)
+    overall["sampling"] = sampling
+    if sampling:
+        overall["rejection_tokens_per_second"] = _pooled_speed(rows, "rejection_tokens_per_second")
+        overall["rejection_mean_acceptance_length"] = statistics.mean(
+            r["rejection_mean_acceptance_length"] for r in rows)
     if llama_server:
         overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
-                                           max_tokens, overall["baseline_tokens_per_second"], out, log)
+                                           max_tokens, overall["baseline_tokens_per_second"], out, log,
+                                           [prompt_sampling(sampling, i) for i in range(len(prompts))]
+                                           if sampling else None)
     return {"rows": rows, "overall": overall}
 
 
-def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool) -> tuple[dict, list[int], list[int]]:
-    """One prompt's row (plain, fixed blocks, the adaptive policy, with n-gram drafts, the prompt-lookup peer), its
-    token ids and plain decoding's output."""
-    kw = row_request(row)
+def _pooled_speed(rows: list[dict], key: str) -> float:
+    """Total tokens over total time of the rows' runs at `key` tokens/s."""
+    seconds = sum(r["tokens"] / r[key] for r in rows if r[key])
+    return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
+
+
+def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool,
+                 sampling: dict | None = None) -> tuple[dict, list[int], list[int]]:
+    """One prompt's row (plain, fixed blocks, the adaptive policy, with n-gram drafts, the prompt-lookup peer; sampled:
+    rejection sampling too), its token ids and plain decoding's output."""
+    kw = row_request(row) | (sampling or {})
     base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
     engine.draft_policy = "fixed"
     fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
@@ -209,6 +239,10 @@ def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool) -> tupl
         "lossless": spec.token_ids == base.token_ids == fixed.token_ids == both.token_ids,
         "_summary": fixed.summary,
     }
+    if sampling:
+        rej = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False, spec_sampling="rejection")
+        r["rejection_tokens_per_second"] = rej.summary.tokens_per_second
+        r["rejection_mean_acceptance_length"] = rej.summary.mean_acceptance_length
     if engine.ngram:
         r["ngram_tokens_per_second"] = both.summary.tokens_per_second
         r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
@@ -216,7 +250,7 @@ def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool) -> tupl
     if peer:
         r["prompt_lookup_tokens_per_second"], r["prompt_lookup_error"] = prompt_lookup_speed(
             engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
-    return r, engine.prompt_tokens(**kw), base.token_ids
+    return r, engine.prompt_tokens(**row_request(row)), base.token_ids
 
 
 def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> dict:
@@ -228,19 +262,13 @@ def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> 
     both = pooled([r.pop("_ngram_summary") for r in rows]) if engine.ngram else None
     steps = fixed.steps
 
-    def seconds(key):
-        return sum(r["tokens"] / r[key] for r in rows if r[key])
-
-    base_time, spec_time = seconds("baseline_tokens_per_second"), seconds("dflash_tokens_per_second")
-    fixed_time = seconds("dflash_fixed_tokens_per_second")
-    n_tokens = sum(r["tokens"] for r in rows)
     tau = fixed.mean_acceptance_length
     draft_ms = fixed.draft_ms / steps if steps else 0.0
     n_rollbacks = fixed.n_rollbacks
     overall = {
-        "baseline_tokens_per_second": n_tokens / base_time if base_time else 0.0,
-        "dflash_tokens_per_second": n_tokens / spec_time if spec_time else 0.0,
-        "dflash_fixed_tokens_per_second": n_tokens / fixed_time if fixed_time else 0.0,
+        "baseline_tokens_per_second": _pooled_speed(rows, "baseline_tokens_per_second"),
+        "dflash_tokens_per_second": _pooled_speed(rows, "dflash_tokens_per_second"),
+        "dflash_fixed_tokens_per_second": _pooled_speed(rows, "dflash_fixed_tokens_per_second"),
         "mean_acceptance_length": tau,
         "acceptance_rate": fixed.acceptance_rate,
         "verify_ms": curve,
@@ -261,8 +289,7 @@ def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> 
     overall["speedup"] = overall["dflash_tokens_per_second"] / base_speed if base_speed else 0.0
     overall["speedup_fixed"] = overall["dflash_fixed_tokens_per_second"] / base_speed if base_speed else 0.0
     if both is not None:
-        ngram_time = seconds("ngram_tokens_per_second")
-        overall["ngram_tokens_per_second"] = n_tokens / ngram_time if ngram_time else 0.0
+        overall["ngram_tokens_per_second"] = _pooled_speed(rows, "ngram_tokens_per_second")
         overall["speedup_ngram"] = overall["ngram_tokens_per_second"] / base_speed if base_speed else 0.0
         overall["ngram"] = {"size_n": engine.ngram.size_n, "size_m": engine.ngram.size_m,
                             "steps": both.steps, "ngram_steps": both.ngram_steps,
@@ -285,6 +312,9 @@ def markdown(result: dict) -> str:
     ngram = "ngram_tokens_per_second" in o
     head = ("| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | fixed-block DFlash tok/s | tau (fixed) |"
             + (" DFlash + n-gram tok/s | speedup |" if ngram else "") + (" prompt lookup tok/s |" if peer else ""))
+    sampling = o.get("sampling")
+    if sampling:
+        head += " rejection sampling tok/s | tau (rejection) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         lines.append(f"| {r['prompt'][:40]!r} | {r['tokens']} | {r['baseline_tokens_per_second']:.1f} | "
@@ -292,12 +322,16 @@ def markdown(result: dict) -> str:
                      f"{r['dflash_fixed_tokens_per_second']:.1f} | {r['fixed_mean_acceptance_length']:.2f} |"
                      + (f" {r['ngram_tokens_per_second']:.1f} | {r['ngram_speedup']:.2f} |" if ngram else "")
                      + (f" {_speed(r['prompt_lookup_tokens_per_second'], r['prompt_lookup_error'])} |" if peer
-                        else ""))
+                        else "")
+                     + (f" {r['rejection_tokens_per_second']:.1f} | {r['rejection_mean_acceptance_length']:.2f} |"
+                        if sampling else ""))
     lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
                  f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
                  + (f" {o['ngram_tokens_per_second']:.1f} | {o['speedup_ngram']:.2f} |" if ngram else "")
                  + (f" {_speed(o['prompt_lookup_tokens_per_second'], 'failed on every prompt')} |" if peer
-                    else ""))
+                    else "")
+                 + (f" {o['rejection_tokens_per_second']:.1f} | {o['rejection_mean_acceptance_length']:.2f} |"
+                    if sampling else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
               f"Rollback {o['rollback_ms_per_rollback']:.3f} ms per rejected draft ({o['rollbacks']} rollbacks, "
@@ -305,6 +339,11 @@ def markdown(result: dict) -> str:
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
               f"Lossless: {o['lossless']}."]
+    if sampling:
+        lines[-1] += (f" Sampled: temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, top-p "
+                      f"{sampling['top_p']:g}, min-p {sampling['min_p']:g}, prompt i with seed {sampling['seed']} + i; "
+                      "the DFlash rows verify by matching the target's sample (lossless: the sampled baseline's "
+                      "tokens), the rejection-sampling row by speculative sampling (the same distribution).")
     if peer and o["prompt_lookup_errors"]:
         errors = [r["prompt_lookup_error"] for r in result["rows"] if r["prompt_lookup_error"]]
         lines[-1] += f" The prompt-lookup peer failed on {len(errors)} of {o['prompts']} prompts ({errors[0]})."
@@ -389,9 +428,11 @@ def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
                          "rows in --prompts)")
     server_args = llama_server_args(args.llama_server, args.llama_server_args)  # bad flags fail before the models load
     engine = load_engine()
+    sampling = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+                "seed": args.seed} if args.temp > 0 else None
     result = run_bench(engine, prompts, args.max_tokens, peer=not args.no_peer,
                        log=lambda m: print(m, file=sys.stderr), llama_server=args.llama_server,
-                       llama_server_args=server_args, out=Path(args.out))
+                       llama_server_args=server_args, out=Path(args.out), sampling=sampling)
     result["overall"]["reasoning"] = args.reasoning  # thinking on/off for the chat prompts, or the template's default
     write_outputs(result, Path(args.out), with_plot)
     print(markdown(result))

@@ -186,6 +186,16 @@ def _logit_bias(text: str) -> tuple[int, float]:
     return int(m[1]), -bias if m[2] == "-" else bias
 
 
+def _chain_args(p: argparse.ArgumentParser, seed: int | None = None) -> None:
+    """The sampler chain, with llama.cpp's spellings and defaults (they apply once --temp is above 0)."""
+    p.add_argument("--temp", type=_temperature, default=0.0, help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, as llama.cpp; 0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, as llama.cpp; 1.0 = off)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, as llama.cpp; 0.0 = off)")
+    p.add_argument("--seed", type=int, default=seed, help="RNG seed" + (f" (default {seed})" if seed is not None
+                                                                         else " (default: random)"))
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     """llama.cpp's sampling controls, with its spellings."""
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (1.0 = off)")
@@ -466,11 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_args(g)
     g.add_argument("-n", "--max-tokens", type=_n_predict, default=256, help="tokens to generate (default 256; -1: "
                    "until the context is full)")
-    g.add_argument("--temp", type=_temperature, default=0.0, help="temperature (0 = greedy, the default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    _chain_args(g)
     _sampling_args(g)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
@@ -511,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--max-tokens", type=int, default=256)
     b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     b.add_argument("--no-peer", action="store_true", help="skip the llama-cpp-python prompt-lookup row")
+    _chain_args(b, seed=1)  # sampled rows: prompt i draws with seed + i, ours and llama-server's alike
     b.add_argument("--llama-server", metavar="PATH", help="also run every prompt through this upstream llama-server, "
                    "plain and with its speculative types (ngram-simple, ngram-mod, draft-dflash with our drafter)")
     b.add_argument("--llama-server-args", metavar="ARGS", help="more flags for every llama-server run, one string "

@@ -5,7 +5,8 @@ One llama-server process per configuration, started once for all prompts (its st
 threads, context size and GPU layers, one slot, on 127.0.0.1; otherwise with upstream's defaults (weight repacking
 on, -fa auto, where ours are off), which --llama-server-args can change. Every prompt goes to /completion as the token
 ids our rows decode from (chat prompts: our engine's chat template, so both sides read the same tokens), n_predict = -n,
-temperature 0, no prompt cache; the output comes back as token ids (`return_tokens`) and is compared with ours.
+temperature 0 (with --temp: the bench's temperature, top_k, top_p, min_p and each prompt's seed), no prompt cache;
+the output comes back as token ids (`return_tokens`) and is compared with ours.
 
 Configurations: plain; --spec-type ngram-simple and ngram-mod (they draft with their own lengths, size_m 48 and
 ngram-mod's n_max 64, and read neither --spec-draft-n-max nor --spec-draft-p-min, so they run once, with upstream's
@@ -40,8 +41,8 @@ def configurations(drafter: str) -> list[dict]:
 
 
 def run_configuration(binary: str, base_args: list[str], config: dict, extra_args: list[str],
-                      prompt_ids: list[list[int]], max_tokens: int,
-                      log: Path) -> tuple[list[dict] | None, str, str | None]:
+                      prompt_ids: list[list[int]], max_tokens: int, log: Path,
+                      sampling: list[dict] | None = None) -> tuple[list[dict] | None, str, str | None]:
     """(one completion per prompt, the command line, None), or (None, the command line, why it failed)."""
     port = free_port()
     # the user's extra flags come last: llama.cpp takes the last value of a flag given twice
@@ -51,7 +52,7 @@ def run_configuration(binary: str, base_args: list[str], config: dict, extra_arg
             done = []
             for i, ids in enumerate(prompt_ids):
                 try:
-                    done.append(server.complete(ids, max_tokens))
+                    done.append(server.complete(ids, max_tokens, sampling=sampling[i] if sampling else None))
                 except ServerError as e:
                     raise ServerError(f"prompt {i + 1} of {len(prompt_ids)}: {e}") from None
     except ServerError as e:
@@ -90,8 +91,10 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
 
 
 def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[int]], ours_plain: list[list[int]],
-              max_tokens: int, our_speed: float, log_dir: Path, log=print) -> list[dict]:
-    """Every configuration over every prompt: bench.json's overall["peers"]."""
+              max_tokens: int, our_speed: float, log_dir: Path, log=print,
+              sampling: list[dict] | None = None) -> list[dict]:
+    """Every configuration over every prompt (greedy, or each prompt with its `sampling`): bench.json's
+    overall["peers"]."""
     log_dir.mkdir(parents=True, exist_ok=True)
     p = engine.placement
     ngl = "all" if p.n_gpu_layers < 0 else str(p.n_gpu_layers)
@@ -101,7 +104,7 @@ def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[
     for config in configurations(str(engine.draft_path)):
         name = config["name"].replace(",", "+").replace(" ", "_")
         done, command, error = run_configuration(binary, base_args, config, extra_args, prompt_ids, max_tokens,
-                                                 log_dir / f"llama-server-{name}.log")
+                                                 log_dir / f"llama-server-{name}.log", sampling)
         if config["type"] is None and done is not None:
             its_plain = [d["tokens"] for d in done]
         rows.append(peer_row(config, command, done, error, ours_plain, its_plain, our_speed))

@@ -34,6 +34,30 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
     assert "[2/2]" in r.stderr  # progress
 
 
+def test_a_sampled_bench_is_lossless_and_reports_rejection_sampling(tiny_target, tiny_drafter, tmp_path):
+    """--temp: every row samples with llama.cpp's default chain and prompt i's seed; the DFlash rows (verifying by
+    matching the target's sample) give the sampled baseline's tokens, and rejection sampling is a row of its own."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello world"}) + "\n" + json.dumps({"prompt": "def f(x):"}) + "\n")
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(prompts), "-n", "24",
+                   "--temp", "0.8", "--seed", "9", "--out", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    o = result["overall"]
+    assert o["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 9}
+    assert o["lossless"] is True and all(row["lossless"] for row in result["rows"])
+    assert o["rejection_tokens_per_second"] > 0 and o["rejection_mean_acceptance_length"] >= 1
+    assert "prompt_lookup_tokens_per_second" not in o  # a greedy peer: left out of sampled runs
+    # the rows sampled: prompt 0 at seed 9 gives what a sampled generation with that seed gives
+    e = Engine(tiny_target, tiny_drafter, n_ctx=4096)
+    want = e.complete("Hello world", max_tokens=24, draft=False, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                      seed=9)
+    assert want.token_ids != e.complete("Hello world", max_tokens=24, draft=False).token_ids
+    assert result["rows"][0]["tokens"] == len(want.token_ids)
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "rejection sampling tok/s" in md and "Sampled: temperature 0.8, top-k 40" in md
+
+
 def test_bench_rejects_bad_prompt_files(tiny_target, tiny_drafter, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')

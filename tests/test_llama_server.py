@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_local import peers
+from dflash_local import Engine
 from dflash_local.llama_server import Server, ServerError, free_port
 
 BINARY = Path(os.environ.get("DFLASH_LLAMA_SERVER") or Path(__file__).parents[1] / ".llama-server/bin/llama-server")
@@ -94,6 +95,27 @@ def test_a_bad_llama_server_flag_is_a_row_per_configuration(tiny_target, tiny_dr
         assert p["error"].startswith("failed to start: exited with code 1: ") and "--no-such-flag" in p["error"]
         assert "\n" not in p["error"] and p["command"].endswith(" --no-such-flag")
     assert "| plain | failed to start: exited with code 1: " in (out / "bench.md").read_text()
+
+
+def test_sampled_rows_send_the_benchs_sampling_to_llama_server(tiny_target, llama_server, tmp_path):
+    """bench --temp: llama-server's rows sample with the bench's chain and each prompt's seed (peers.run_configuration
+    with `sampling`): a seed gives the same tokens twice, another seed others, and without sampling its output is our
+    greedy plain decoding's."""
+    e = Engine(tiny_target, n_ctx=256)
+    ids = e.prompt_tokens("def total(values):\n")
+    base = ["-m", str(tiny_target), "-c", "256", "-np", "1", "-t", "2", "-fa", "off"]
+    plain = peers.configurations("unused")[0]
+
+    def run(sampling):
+        done, _, error = peers.run_configuration(str(llama_server), base, plain, [], [ids, ids], 24,
+                                                 tmp_path / "plain.log", sampling)
+        assert error is None
+        return [d["tokens"] for d in done]
+
+    chain = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    same, other = run([chain | {"seed": 5}, chain | {"seed": 5}]), run([chain | {"seed": 6}, chain | {"seed": 7}])
+    assert same[0] == same[1] and other[0] != same[0] and other[1] != same[0]
+    assert run(None) == [e.complete(ids, max_tokens=24, draft=False).token_ids] * 2
 
 
 def test_bench_refuses_bad_llama_server_options(tiny_target, tiny_drafter, tmp_path):

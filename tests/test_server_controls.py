@@ -41,7 +41,8 @@ def client(server):
 
 
 def plain(reference, **kw):
-    done = reference.complete(draft=False, **kw)
+    # the server's chain for the fields a request leaves out: llama-server's top-k 40, top-p 0.95, min-p 0.05
+    done = reference.complete(draft=False, **dict(top_k=40, top_p=0.95, min_p=0.05) | kw)
     done.pieces = [reference.target.piece(t) for t in done.token_ids]
     return done
 
