@@ -268,11 +268,7 @@ __attribute__((target("avx2"))) static void dots_avx2(const uint8_t * q, int n_p
 }
 #endif
 
-// The candidates of r rows x: for row j, in token order, the tokens that could be among its k[j] largest logits and
-// the tokens forced[j], with their exact logits; every other token has k[j] tokens with larger logits. A row with a
-// value that is not finite gets every token.
-void GreedyHead::select(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced,
-                        std::vector<std::vector<std::pair<int, float>>> & out) {
+void GreedyHead::top(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced, Top * out) {
     const ggml_type_traits_cpu * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     const ggml_to_float_t dequant = ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
     const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, n_embd);
@@ -316,7 +312,9 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
         vec_dot(n_embd, &out, 0, (const char *) w->data + (size_t) v * w->nb[1], 0, &xq[j * xrow], 0, 1);
         return out;
     };
-    out.assign(r, {});
+    for (int j = 0; j < r; ++j) {
+        out[j].clear();
+    }
     if (!finite) {
         for (int j = 0; j < r; ++j) {
             out[j].resize(n_vocab);
@@ -341,11 +339,12 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
     };
     const bool vnni = kernel() == 2;
     // pass 1, per thread and row: the k largest lower bounds so far, of tokens not forced (a min-heap; greedy: the
-    // largest, lo), the tokens whose upper bound reaches the k-th of them when seen (with that bound), and the token
-    // with the largest estimate
+    // largest, lo), the tokens whose upper bound reaches the k-th of them when seen (with that bound), and the tokens
+    // with the k largest estimates (greedy: the largest)
     std::vector<std::vector<std::pair<int, float>>> seen((size_t) nth * r);
     std::vector<float> low((size_t) nth * r, -INFINITY);
     std::vector<std::vector<float>> heaps((size_t) nth * r);
+    std::vector<std::vector<std::pair<float, int>>> top_est((size_t) nth * r);
     std::vector<std::pair<float, int>> best((size_t) nth * r, {-INFINITY, 0});
 #    pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
@@ -377,7 +376,14 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
                     }
                 } else {
                     auto & h = heaps[(size_t) t * r + j];
+                    auto & te = top_est[(size_t) t * r + j];
+                    float elo = (int) te.size() == k[j] ? te.front().first : -INFINITY;
+                    float lb_max = -INFINITY;
                     for (int v = c0; v < c1; ++v) {
+                        lb_max = lb[v - c0] > lb_max ? lb[v - c0] : lb_max;
+                    }
+                    // once the heaps are full, most chunks have nothing above them: a vectorized max says so
+                    for (int v = c0; (lb_max > lo || top > elo) && v < c1; ++v) {
                         if (lb[v - c0] > lo && !is_forced(j, v)) {
                             h.push_back(lb[v - c0]);
                             std::push_heap(h.begin(), h.end(), std::greater<float>());
@@ -386,6 +392,15 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
                                 h.pop_back();
                             }
                             lo = (int) h.size() == k[j] ? h.front() : -INFINITY;
+                        }
+                        if (est[v - c0] > elo && !is_forced(j, v)) {
+                            te.push_back({est[v - c0], v});
+                            std::push_heap(te.begin(), te.end(), std::greater<std::pair<float, int>>());
+                            if ((int) te.size() > k[j]) {
+                                std::pop_heap(te.begin(), te.end(), std::greater<std::pair<float, int>>());
+                                te.pop_back();
+                            }
+                            elo = (int) te.size() == k[j] ? te.front().first : -INFINITY;
                         }
                     }
                 }
@@ -403,8 +418,9 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
             }
         }
     }
-    // the threshold: the k-th largest lower bound over all threads (greedy: or the best estimate's exact logit
-    // where larger); a token not forced whose upper bound is below it has k tokens above it
+    // the threshold: the k-th largest lower bound over all threads, or where larger the k-th largest exact logit of
+    // the k best estimates (greedy: the best estimate's); a token not forced whose upper bound is below it has k
+    // tokens above it
     std::vector<float> floor(r);
     for (int j = 0; j < r; ++j) {
         if (argmax_row(j)) {
@@ -427,10 +443,28 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
             std::nth_element(all.begin(), all.begin() + (k[j] - 1), all.end(), std::greater<float>());
             floor[j] = all[k[j] - 1];
         }
+        std::vector<std::pair<float, int>> ests;
+        for (int t = 0; t < nth; ++t) {
+            ests.insert(ests.end(), top_est[(size_t) t * r + j].begin(), top_est[(size_t) t * r + j].end());
+        }
+        if ((int) ests.size() >= k[j]) {
+            std::nth_element(ests.begin(), ests.begin() + (k[j] - 1), ests.end(), std::greater<std::pair<float, int>>());
+            std::vector<float> ex;
+            for (int i = 0; i < k[j]; ++i) {
+                const float e = exact(ests[i].second, j);
+                if (std::isfinite(e)) {
+                    ex.push_back(e);
+                }
+            }
+            if ((int) ex.size() == k[j]) {
+                const float kth = *std::min_element(ex.begin(), ex.end());
+                floor[j] = kth > floor[j] ? kth : floor[j];
+            }
+        }
     }
     // pass 2: the exact logits of the tokens whose bound reaches it (NaN bounds included); the threads' tokens in
     // order, thread after thread
-    std::vector<std::vector<std::pair<int, float>>> kept((size_t) nth * r);
+    std::vector<Top> kept((size_t) nth * r);
 #    pragma omp parallel for num_threads(nth) schedule(static, 1)
     for (int t = 0; t < nth; ++t) {
         for (int j = 0; j < r; ++j) {
@@ -456,24 +490,12 @@ void GreedyHead::select(const float * x, int r, int nth, const int * k, const st
 #endif
 }
 
-void GreedyHead::top(const float * x, float * y, int r, int nth, const int * k, const std::vector<int32_t> * forced) {
-    std::vector<std::vector<std::pair<int, float>>> rows;
-    select(x, r, nth, k, forced, rows);
-    for (int j = 0; j < r; ++j) {
-        float * yj = y + (size_t) j * n_vocab;
-        std::fill(yj, yj + n_vocab, -INFINITY);
-        for (const auto & [v, e] : rows[j]) {
-            yj[v] = e;
-        }
-    }
-}
-
 // The first token with the largest logit, as std::max_element finds it in the row compute() gives: a token below
 // the largest never changes what it finds, whatever else the row holds.
 void GreedyHead::argmax(const float * x, int32_t * tokens, int r, int nth) {
-    std::vector<std::vector<std::pair<int, float>>> rows;
+    std::vector<Top> rows(r);
     const std::vector<int> ones(r, 1);
-    select(x, r, nth, ones.data(), nullptr, rows);
+    top(x, r, nth, ones.data(), nullptr, rows.data());
     for (int j = 0; j < r; ++j) {
         int best = 0;
         float top = -INFINITY;  // token 0's, unless it is a candidate

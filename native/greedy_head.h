@@ -23,10 +23,11 @@ public:
     // takes three instructions for VNNI's one.
     static bool fast();
     GreedyHead(const ggml_tensor * w, int nth);  // builds the copy: n_vocab x n_embd bytes
-    // r final-norm rows x [r, n_embd] into y [r, n_vocab]: row j gets the exact logit of every token that could be
-    // among its k[j] largest and of the tokens forced[j] (sorted; those whose logits a sampler's controls change),
-    // -inf elsewhere; a row with a value that is not finite gets every logit. forced may be null: none.
-    void top(const float * x, float * y, int r, int nth, const int * k, const std::vector<int32_t> * forced);
+    // For r final-norm rows x [r, n_embd], row j's exact logit of every token that could be among its k[j] largest
+    // and of the tokens forced[j] (sorted; those whose logits a sampler's controls change), in token order (a row with
+    // a value that is not finite: every token); every other token has k[j] tokens above it. forced may be null.
+    using Top = std::vector<std::pair<int32_t, float>>;
+    void top(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced, Top * out);
     // The argmax of each row's logits (the first of equal ones), the full head's, with no row written: what a greedy
     // sampler takes from a row.
     void argmax(const float * x, int32_t * tokens, int r, int nth);
@@ -41,6 +42,4 @@ private:
     std::vector<float> err;      // per row: |row - scale q| plus a margin for float rounding (see greedy_head.cpp)
     std::vector<float> norm;     // per row: |scale q|
 
-    void select(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced,
-                std::vector<std::vector<std::pair<int, float>>> & out);
 };

@@ -435,6 +435,38 @@ llama_token Sampler::next(const float * logits, uint64_t index, std::vector<Cand
     return t;
 }
 
+// The controls' changes on the listed tokens, as controlled() makes them on the whole row, then the chain over the
+// list: its tokens in ascending order break ties as their ids do, and every token past it ranks below the top-k.
+llama_token Sampler::next_top(const std::vector<std::pair<llama_token, float>> & top, uint64_t index,
+                              std::vector<Candidate> & cand) {
+    row.resize(top.size());
+    for (size_t i = 0; i < top.size(); ++i) {
+        row[i] = top[i].second;
+    }
+    auto logit = [&](llama_token t) -> float & {
+        const auto it = std::lower_bound(top.begin(), top.end(), t, [](const auto & a, llama_token b) {
+            return a.first < b;
+        });
+        if (it == top.end() || it->first != t) {
+            fail("the row's top lacks token " + std::to_string(t) + ", whose logit a control changes");
+        }
+        return row[it - top.begin()];
+    };
+    for (const auto & [tok, b] : bias) {
+        logit(tok) += b;
+    }
+    for (const auto & [tok, count] : counts) {
+        float & l = logit(tok);
+        l = l <= 0 ? l * pen.repeat : l / pen.repeat;
+        l -= float(count) * pen.freq + pen.present;
+    }
+    const llama_token t = top[sample_row(row.data(), (int) row.size(), params, index, cand)].first;
+    if (pen.active()) {
+        remember(t);
+    }
+    return t;
+}
+
 // Rejection sampling (speculative sampling with the drafter's distribution): accept the draft token x, drawn
 // from the drafter's distribution q, with probability min(1, p(x) / q(x)), p the distribution pick() draws from;
 // otherwise draw from the residual max(0, p - q), normalised. The result follows p whatever q is. The token is

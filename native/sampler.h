@@ -114,6 +114,10 @@ public:
     std::vector<llama_token> touched() const;
     static constexpr int MAX_TOP_ROW = 1024;
     llama_token next(const float * logits, uint64_t index, std::vector<Candidate> & cand);
+    // next() on a row given by its top (keep() > 1): its tokens in ascending order with their logits, every token it
+    // lacks below the keep()-th largest logit and untouched; the token next() takes from the whole row, taken in.
+    llama_token next_top(const std::vector<std::pair<llama_token, float>> & top, uint64_t index,
+                         std::vector<Candidate> & cand);
     llama_token judge(const float * logits, llama_token x, const float * q, uint64_t index);
     const Sampling & sampling() const { return params; }
     void distribution(const float * logits, std::vector<float> & out);
@@ -132,7 +136,7 @@ private:
     llama_sampler * grammar = nullptr;
     int n_top = -1;                                    // top logprobs to report per token (-1 = no logprobs)
     std::vector<TokenLogprob> logprobs;                // for the tokens sampled since the last take_logprobs()
-    std::vector<float> row;                            // the row with biases and penalties applied
+    std::vector<float> row;                            // the row with biases and penalties applied (next_top: its top)
     std::vector<llama_token_data> cur;                 // the row as the grammar sees it
     std::vector<float> kept;                           // the logits the grammar keeps, in vocabulary order
     std::vector<llama_token> kept_ids;

@@ -487,18 +487,18 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
         if (m_all == 0) {
             continue;
         }
+        std::vector<GreedyHead::Top> tops;
         if (kind == PRUNED_ARGMAX) {
             best.resize(m_all);
             greedy_argmax(x.data(), best.data(), m_all);
+        } else if (kind == PRUNED_TOP) {
+            tops.resize(m_all);
+            top_rows(x.data(), tops.data(), m_all, of);
         } else {
             if (y.size() < (size_t) m_all * n_vocab) {
                 y.resize((size_t) m_all * n_vocab);
             }
-            if (kind == PRUNED_TOP) {
-                top_rows(x.data(), y.data(), m_all, of);
-            } else {
-                compute_head(x.data(), y.data(), m_all);
-            }
+            compute_head(x.data(), y.data(), m_all);
         }
         int off = 0;
         for (size_t w = 0; w < which.size(); ++w) {
@@ -508,6 +508,8 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
             }
             if (kind == PRUNED_ARGMAX) {
                 std::copy_n(&best[off], more[w], &row_best[h.lo + h.done]);
+            } else if (kind == PRUNED_TOP) {
+                std::move(&tops[off], &tops[off + more[w]], &row_top[h.lo + h.done]);
             } else {
                 std::memcpy(&head_logits[(size_t) (h.lo + h.done) * n_vocab], &y[(size_t) off * n_vocab],
                             (size_t) more[w] * n_vocab * sizeof(float));
@@ -632,6 +634,7 @@ void Session::trim() {
     std::vector<char>().swap(head_q);
     std::vector<char>().swap(row_pruned);
     std::vector<int32_t>().swap(row_best);
+    std::vector<GreedyHead::Top>().swap(row_top);
     n_out = feat_rows = hidden_rows = norm_seen = 0;  // the last decode's rows are gone
 #if defined(__linux__)
     auto release_buffer = [](ggml_backend_buffer_t buf) {  // noted only where in host memory
@@ -696,7 +699,12 @@ py::array_t<float> Session::greedy_logits(int row, int top_k, std::vector<llama_
     forced.erase(std::unique(forced.begin(), forced.end()), forced.end());
     LogScope log(verbose);
     py::array_t<float> out(tgt.n_vocab());
-    greedy_head->top(&hidden[(size_t) row * n_embd], out.mutable_data(), 1, head_threads(1), &top_k, &forced);
+    GreedyHead::Top top;
+    greedy_head->top(&hidden[(size_t) row * n_embd], 1, head_threads(1), &top_k, &forced, &top);
+    std::fill_n(out.mutable_data(), tgt.n_vocab(), -INFINITY);
+    for (const auto & [v, e] : top) {
+        out.mutable_data()[v] = e;
+    }
     return out;
 }
 
@@ -831,8 +839,8 @@ py::array_t<float> Session::features() const {
 }
 
 // Logits of row i of the last target decode (llama.cpp's batch index; negative: from the last output). A row of a
-// greedy range comes back null, unless `full`: the greedy head gave only its argmax (row_best); a row of a top-k
-// range has -inf past its top, unless `full`.
+// greedy or top-k range comes back null, unless `full`: the greedy head gave only its argmax (row_best) or its top
+// (row_top).
 const float * Session::target_row(int i, bool full) {
     if (hidden_rows == 0) {
         return logits_row(ctx_tgt, i < 0 ? i + n_rows : i, "target");  // the scratch row's are not ours
@@ -856,7 +864,7 @@ const float * Session::target_row(int i, bool full) {
         if (kind == PRUNED_ARGMAX) {
             greedy_argmax(&hidden[(size_t) i0 * n_embd], &row_best[i0], end - i0);
         } else if (kind == PRUNED_TOP) {
-            top_rows(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0,
+            top_rows(&hidden[(size_t) i0 * n_embd], &row_top[i0], end - i0,
                      std::vector<const HeadRange *>(end - i0, &*h));
         } else {
             compute_head(&hidden[(size_t) i0 * n_embd], &head_logits[i0 * n_vocab], end - i0);
@@ -868,7 +876,7 @@ const float * Session::target_row(int i, bool full) {
         compute_head(&hidden[(size_t) i * n_embd], &head_logits[i * n_vocab], 1);
         row_pruned[i] = FULL;
     }
-    return row_pruned[i] == PRUNED_ARGMAX ? nullptr : &head_logits[i * n_vocab];
+    return row_pruned[i] != FULL ? nullptr : &head_logits[i * n_vocab];
 }
 
 // The token the sampler takes from row i of the last target decode (as target_row counts rows): a pruned row's
@@ -876,7 +884,8 @@ const float * Session::target_row(int i, bool full) {
 llama_token Session::sample_row_of(int i, Sampler & s, uint64_t index) {
     const float * row = target_row(i);
     if (!row) {
-        return row_best[i < 0 ? i + hidden_rows : i];
+        i = i < 0 ? i + hidden_rows : i;
+        return row_pruned[i] == PRUNED_TOP ? s.next_top(row_top[i], index, cand) : row_best[i];
     }
     return s.next(row, index, cand);
 }
@@ -894,9 +903,9 @@ void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
     n_argmax_rows += r;
 }
 
-// The top of r final-norm rows x of top-k ranges, by the greedy head: row j the top of[j]->keep logits and the
-// range's forced tokens, -inf elsewhere.
-void Session::top_rows(const float * x_rows, float * y_rows, int r, const std::vector<const HeadRange *> & of) {
+// The top of r final-norm rows x of top-k ranges, by the greedy head: row j's of[j]->keep largest logits and its
+// range's forced tokens.
+void Session::top_rows(const float * x_rows, GreedyHead::Top * out, int r, const std::vector<const HeadRange *> & of) {
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<int> k(r);
     std::vector<std::vector<int32_t>> forced(r);
@@ -904,7 +913,7 @@ void Session::top_rows(const float * x_rows, float * y_rows, int r, const std::v
         k[j] = of[j]->keep;
         forced[j] = of[j]->forced;
     }
-    greedy_head->top(x_rows, y_rows, r, head_threads(r), k.data(), forced.data());
+    greedy_head->top(x_rows, r, head_threads(r), k.data(), forced.data(), out);
     head_ms += ms_since(t0);
     n_top_rows += r;
 }
@@ -1447,6 +1456,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
         }
         row_pruned.assign(n, 0);
         row_best.resize(n);
+        row_top.resize(n);
     }
     feats.resize((size_t) n * width);
     feat_rows = n;

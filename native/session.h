@@ -309,6 +309,7 @@ private:
     enum : char { FULL = 0, PRUNED_ARGMAX = 1, PRUNED_TOP = 2 };
     std::vector<char> row_pruned;      // [hidden_rows]
     std::vector<int32_t> row_best;     // [hidden_rows] the argmax of a pruned row, whose logits are not written
+    std::vector<GreedyHead::Top> row_top;  // [hidden_rows] the top of a PRUNED_TOP row (its logits are not written)
     // head_more's rows and logits: kept between calls, since a fresh 1 MB per row each call costs page faults
     std::vector<float> head_x, head_y;
 
@@ -316,7 +317,7 @@ private:
     llama_token sample_row_of(int i, Sampler & s, uint64_t index);
     void compute_head(const float * x_rows, float * y_rows, int r);
     void greedy_argmax(const float * x_rows, int32_t * best, int r);
-    void top_rows(const float * x_rows, float * y_rows, int r, const std::vector<const HeadRange *> & of);
+    void top_rows(const float * x_rows, GreedyHead::Top * out, int r, const std::vector<const HeadRange *> & of);
     char pruned_kind(const HeadRange & h) const;
     HeadRange head_range(int lo, int hi, int first, const Sampler & s, bool rejection,
                          const std::vector<llama_token> & draft) const;
