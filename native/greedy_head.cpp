@@ -54,8 +54,8 @@ bool GreedyHead::supported(const ggml_tensor * w) {
 #ifdef GREEDY_VNNI
 // One row of the copy: its bytes into the tile (the row's slot of each 256-byte chunk), and the sums of squares of
 // the row, of the copy and of their difference (16 float lanes; their rounding is far inside the bound's margin).
-__attribute__((target("avx512f"))) static void quantize_row_512(const float * x, int n_pad, uint8_t * tile, float & scale,
-                                                          double & e2, double & n2, double & w2) {
+__attribute__((target("avx512f"))) static void quantize_row_512(const float * x, int n_pad, uint8_t * tile,
+                                                              float & scale, double & e2, double & n2, double & w2) {
     __m512 m = _mm512_setzero_ps();
     for (int i = 0; i < n_pad; i += 16) {
         m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
@@ -260,7 +260,8 @@ __attribute__((target("avx2"))) static void dots_avx2(const uint8_t * q, int n_p
                 tile_avx2<1>(tile, nk, x, c);
             }
             for (int l = 0; l < 2 && j + l < r; ++l) {
-                const __m128i s = _mm_add_epi32(sum4_avx2(c[0][l], c[1][l], c[2][l], c[3][l]), _mm_set1_epi32(off[j + l]));
+                const __m128i s =
+                    _mm_add_epi32(sum4_avx2(c[0][l], c[1][l], c[2][l], c[3][l]), _mm_set1_epi32(off[j + l]));
                 _mm_storeu_si128((__m128i *) &dots[(size_t) (j + l) * stride + v - v0], s);
             }
         }
@@ -448,7 +449,8 @@ void GreedyHead::top(const float * x, int r, int nth, const int * k, const std::
             ests.insert(ests.end(), top_est[(size_t) t * r + j].begin(), top_est[(size_t) t * r + j].end());
         }
         if ((int) ests.size() >= k[j]) {
-            std::nth_element(ests.begin(), ests.begin() + (k[j] - 1), ests.end(), std::greater<std::pair<float, int>>());
+            std::nth_element(ests.begin(), ests.begin() + (k[j] - 1), ests.end(),
+                             std::greater<std::pair<float, int>>());
             std::vector<float> ex;
             for (int i = 0; i < k[j]; ++i) {
                 const float e = exact(ests[i].second, j);

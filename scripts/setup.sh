@@ -54,9 +54,11 @@ flags_diff() {
     printf 'this one %s%s%s' "${lacks:+lacks: ${lacks% }}" "${lacks:+${extra:+; }}" "${extra:+has extra: ${extra% }}"
 }
 
-# wheels are kept per CMake arguments, batch-invariant kernels (native/ggml/, added to ggml's CPU matmul) and CPU, so
+# wheels are kept per CMake arguments, batch-invariant kernels (native/ggml/, added to ggml's CPU matmul), our fix to
+# llama.cpp's KV cache (native/llama/) and CPU, so
 # those for several CPUs can live side by side in .wheels/
-kernels=$({ cat native/ggml/batch_dot.c native/ggml/batch_dot.h native/ggml/patch_ggml.py 2>/dev/null || true; } | sha1sum)
+kernels=$({ cat native/ggml/batch_dot.c native/ggml/batch_dot.h native/ggml/patch_ggml.py native/llama/patch_llama.py \
+    2>/dev/null || true; } | sha1sum)
 key=$(printf '%s %s' "$LLAMA_CMAKE_ARGS" "$kernels" | sha1sum | cut -c1-12)
 wheels=".wheels/llama-$key-$(printf '%s\n' "$flags" | sha1sum | cut -c1-8)"
 whls=("$wheels"/llama_cpp_python-0.3.36-*.whl)
@@ -132,6 +134,7 @@ if [ "$action" = build ]; then
     rm -rf "$src" && mkdir -p "$src"
     tar -xzf "$sdist" -C "$src"
     python native/ggml/patch_ggml.py "$src/llama_cpp_python-0.3.36"
+    python native/llama/patch_llama.py "$src/llama_cpp_python-0.3.36"
     CMAKE_ARGS="$LLAMA_CMAKE_ARGS" python -m pip wheel -q --no-deps --no-cache-dir "$src/llama_cpp_python-0.3.36" \
         -w "$wheels"
     rm -rf "$src"
