@@ -186,10 +186,12 @@ def test_samplers_leave_out_what_they_do_not_list(url):
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    # top_k=1 makes it greedy; a chain without top_k leaves it out, as llama.cpp's chain does
-    assert text({"top_k": 1, "samplers": ["penalties", "top_p", "temperature"]}) == text({})
+    # top_k=1 makes it greedy; a chain without top_k leaves it out, as llama.cpp's chain does (the fields a request
+    # leaves out are llama-server's defaults: top-k 40, top-p 0.95, min-p 0.05)
+    assert text({"top_k": 1, "samplers": ["penalties", "top_p", "temperature"]}) == text({"top_k": 0, "min_p": 0})
     assert text({"top_k": 1, "samplers": "kt"}) == text({"top_k": 1})
-    assert text({"temperature": 0, "samplers": ["top_k", "min_p"]}) == text({"temperature": 1.0})
+    assert text({"temperature": 0, "samplers": ["top_k", "min_p"]}) == text({"temperature": 1.0, "top_p": 1.0})
+    assert text({}) != text({"top_k": 0, "top_p": 1.0, "min_p": 0})  # the defaults are a chain, not pure sampling
 
 
 def test_cache_prompt_false_decodes_the_whole_prompt(url):
