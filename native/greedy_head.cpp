@@ -269,6 +269,16 @@ __attribute__((target("avx2"))) static void dots_avx2(const uint8_t * q, int n_p
 }
 #endif
 
+// Add x to the min-heap h of the k largest values seen.
+template <class T> static void keep_largest(std::vector<T> & h, const T & x, int k) {
+    h.push_back(x);
+    std::push_heap(h.begin(), h.end(), std::greater<T>());
+    if ((int) h.size() > k) {
+        std::pop_heap(h.begin(), h.end(), std::greater<T>());
+        h.pop_back();
+    }
+}
+
 void GreedyHead::top(const float * x, int r, int nth, const int * k, const std::vector<int32_t> * forced, Top * out) {
     const ggml_type_traits_cpu * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     const ggml_to_float_t dequant = ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float;
@@ -386,21 +396,11 @@ void GreedyHead::top(const float * x, int r, int nth, const int * k, const std::
                     // once the heaps are full, most chunks have nothing above them: a vectorized max says so
                     for (int v = c0; (lb_max > lo || top > elo) && v < c1; ++v) {
                         if (lb[v - c0] > lo && !is_forced(j, v)) {
-                            h.push_back(lb[v - c0]);
-                            std::push_heap(h.begin(), h.end(), std::greater<float>());
-                            if ((int) h.size() > k[j]) {
-                                std::pop_heap(h.begin(), h.end(), std::greater<float>());
-                                h.pop_back();
-                            }
+                            keep_largest(h, lb[v - c0], k[j]);
                             lo = (int) h.size() == k[j] ? h.front() : -INFINITY;
                         }
                         if (est[v - c0] > elo && !is_forced(j, v)) {
-                            te.push_back({est[v - c0], v});
-                            std::push_heap(te.begin(), te.end(), std::greater<std::pair<float, int>>());
-                            if ((int) te.size() > k[j]) {
-                                std::pop_heap(te.begin(), te.end(), std::greater<std::pair<float, int>>());
-                                te.pop_back();
-                            }
+                            keep_largest(te, {est[v - c0], v}, k[j]);
                             elo = (int) te.size() == k[j] ? te.front().first : -INFINITY;
                         }
                     }

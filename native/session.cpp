@@ -522,6 +522,12 @@ double Session::head_more(const std::vector<size_t> & which, const std::vector<i
     return ms_since(t0);
 }
 
+// The greedy head's forced tokens: sorted, each once.
+static void sort_unique(std::vector<llama_token> & v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+}
+
 // How a range's rows are computed: their argmax only, their top, or in full (without the greedy head, in full).
 char Session::pruned_kind(const HeadRange & h) const {
     return !greedy_head || h.keep == 0 ? FULL : h.keep == 1 ? PRUNED_ARGMAX : PRUNED_TOP;
@@ -536,8 +542,7 @@ Session::HeadRange Session::head_range(int lo, int hi, int first, const Sampler 
     if (h.keep > 1) {
         h.forced = s.touched();
         h.forced.insert(h.forced.end(), draft.begin(), draft.end());
-        std::sort(h.forced.begin(), h.forced.end());
-        h.forced.erase(std::unique(h.forced.begin(), h.forced.end()), h.forced.end());
+        sort_unique(h.forced);
     }
     return h;
 }
@@ -695,8 +700,7 @@ py::array_t<float> Session::greedy_logits(int row, int top_k, std::vector<llama_
         throw std::invalid_argument("top_k must be at least 1");
     }
     check_tokens(forced);
-    std::sort(forced.begin(), forced.end());
-    forced.erase(std::unique(forced.begin(), forced.end()), forced.end());
+    sort_unique(forced);
     LogScope log(verbose);
     py::array_t<float> out(tgt.n_vocab());
     GreedyHead::Top top;
