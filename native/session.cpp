@@ -117,7 +117,7 @@ llama_token Session::prefill(const std::vector<llama_token> & tokens, Sampler * 
                 --n;  // no ubatch of one row: the next chunk takes the token
             }
             const bool last_chunk = off + n == tokens.size();
-            decode_target(tokens.data() + off, (int) n, sl.past, last_chunk ? LogitsLast : LogitsNone, slot);
+            decode_target(tokens.data() + off, (int) n, sl.past, last_chunk, slot);
             if (ctx_dft && sl.capture) {
                 defer(sl.past, (int) n, slot);
             }
@@ -257,19 +257,14 @@ std::vector<Draft> Session::draft_batch(const std::vector<std::tuple<int, llama_
 }
 
 // One speculative step: verify `draft` (any drafter's proposal, possibly empty) after `last`, the newest token,
-// not yet in the caches.
+// not yet in the caches. It is step_batch() with one slot.
 // The sampler takes in the emitted tokens; should the step fail, it is not rolled back with the caches.
 // rejection: verify by rejection sampling against the distributions of this session's last sampled draft
 // (draft() with a sampler), which `draft` must be (a prefix of). head_rows: the verify rows the caller expects
 // to read (its expected accepted drafts + 1), the first batch of the LM head where it runs on demand.
 StepResult Session::step(llama_token last, const std::vector<llama_token> & draft, Sampler & s, uint64_t index,
                          bool rejection, int head_rows, int slot) {
-    Slot & sl = at(slot);
-    check_step(sl, last, draft, s, rejection);
-    head_next = head_range(0, 0, head_rows, s, rejection, draft);
-    StepResult r = transaction(slot, [&] { return step_unchecked(last, draft, s, index, rejection, slot); });
-    sl.q_tokens.clear();  // its distributions are spent
-    return r;
+    return step_batch({SlotStep{slot, last, draft, &s, index, rejection, head_rows}})[0];
 }
 
 void Session::check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft,
@@ -289,15 +284,15 @@ void Session::check_step(const Slot & sl, llama_token last, const std::vector<ll
     }
 }
 
-// Several slots' steps in one target decode: each slot's block (its last token and draft) goes into one batch, the
-// slots in ascending order, and each slot accepts, rolls back and feeds its drafter as step() does. A slot's rows
-// are computed as in a decode of its own (a cache per sequence, batch-invariant kernels), so each slot's result is
-// the one step() would give. Not for recurrent targets (their snapshots and checkpoints are per decode) nor a padded
-// session. Should it fail, every slot of the batch is put back as it was; so it is when interrupt() stops its decode
-// (Interrupted), and the same steps can run again (not with rejection sampling, whose drafts' distributions would
-// be gone: such a batch is never interrupted).
+// The steps of several slots, their blocks (last token and draft) in as few target decodes as the batch holds, the
+// slots in ascending order; each slot accepts, rolls back and feeds its drafter from its own rows. A slot's rows are
+// computed as in a decode of its own (a cache per sequence, batch-invariant kernels), so each slot's result is the
+// one its step alone gives. A recurrent target or a padded session steps one slot at a time (their checkpoints and
+// scratch row are per decode). Should it fail, every slot of the batch is put back as it was; so it is when
+// interrupt() stops its first decode (Interrupted), and the same steps can run again (not with rejection sampling,
+// whose drafts' distributions would be gone, nor a recurrent target, whose state would be: never interrupted).
 std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps) {
-    if (recurrent || pad) {
+    if ((recurrent || pad) && steps.size() > 1) {
         throw std::logic_error("a recurrent target or a padded session steps one slot at a time");
     }
     std::vector<int> order(steps.size());
@@ -316,7 +311,7 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
     }
     std::sort(order.begin(), order.end(), [&](int a, int b) { return steps[a].slot < steps[b].slot; });
     LogScope log(verbose);
-    const bool may_interrupt = std::none_of(steps.begin(), steps.end(), [](const SlotStep & st) {
+    const bool may_interrupt = !recurrent && std::none_of(steps.begin(), steps.end(), [](const SlotStep & st) {
         return st.rejection;
     });
     std::vector<StepResult> res(steps.size());
@@ -325,10 +320,10 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
         p0[k] = at(steps[k].slot).past;
     }
     try {
-        // the blocks, as many per decode as the batch holds
         for (size_t g0 = 0; g0 < order.size();) {
-            std::vector<int> group;
-            std::vector<int> row0;
+            std::vector<int> group;  // this decode's steps
+            std::vector<int> row0;   // their first rows
+            std::vector<HeadRange> ranges;
             int n = 0;
             llama_batch_ext_clear(batch_tgt);
             for (size_t g = g0; g < order.size(); ++g) {
@@ -343,14 +338,26 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
                 }
                 group.push_back(k);
                 row0.push_back(n);
+                ranges.push_back(head_range(n, n + rows, st.head_rows, *st.sampler, st.rejection, r.draft));
                 for (int i = 0; i < rows; ++i) {
                     add_token(batch_tgt, i == 0 ? st.last : r.draft[i - 1], sl.past + i, true, st.slot);
                 }
                 n += rows;
             }
             g0 += group.size();
+            const SlotStep & st0 = steps[group[0]];
+            if (recurrent && (int) res[group[0]].draft.size() > n_rs) {
+                // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more
+                const auto t0 = std::chrono::steady_clock::now();
+                save_state(at(st0.slot).step_ckpt, st0.slot);
+                res[group[0]].rollback_ms += ms_since(t0);
+            }
+            const bool scratch = add_scratch(st0.last, n, at(st0.slot).past, true);
+            // a plain step's one row goes llama.cpp's way where the greedy head has no part in it (nothing to save,
+            // and llama.cpp's head skips a graph split); every other row's LM head waits for the accept loop
+            const bool on_demand = n > 1 || pad || (ranges[0].keep && greedy_head);
             const auto t0 = std::chrono::steady_clock::now();
-            capture = true;  // features of every row; a slot without capture defers none
+            capture = std::any_of(group.begin(), group.end(), [&](int k) { return at(steps[k].slot).capture; });
             // only the first decode: after it, slots have accepted tokens and moved their samplers on
             interruptible = may_interrupt && g0 == group.size();
             t_interruptible = t0;
@@ -358,50 +365,50 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
             // late a busy machine makes that
             const bool asked = interrupt_wanted.load(std::memory_order_relaxed);
             interrupt_within_ms = step_ms_per_row > 0.0 && !asked ? 0.5 * step_ms_per_row * n : 1e30;
-            run_target(n, n, true);
+            run_target(n + scratch, n + scratch, on_demand, n, n);
             interruptible = false;
             step_ms_per_row = ms_since(t0) / n;
-            // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows
-            // the eval callback copied back in batch order
-            std::vector<int> seq;
-            for (size_t j = 0; j < group.size(); ++j) {
-                seq.insert(seq.end(), (int) res[group[j]].draft.size() + 1, steps[group[j]].slot);
-            }
-            const std::vector<int> perm = ubatch_order(seq, (int) llama_n_ubatch(ctx_tgt));
-            auto unshuffle = [&](std::vector<float> & rows, size_t width, int n_rows) {
-                if (n_rows == 0 || width == 0) {
-                    return;
+            if (group.size() > 1) {
+                // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows
+                // the eval callback copied back in batch order
+                std::vector<int> seq;
+                for (int k : group) {
+                    seq.insert(seq.end(), (int) res[k].draft.size() + 1, steps[k].slot);
                 }
-                std::vector<float> tmp(rows.begin(), rows.begin() + (size_t) n_rows * width);
-                for (int i = 0; i < n_rows; ++i) {
-                    std::memcpy(&rows[(size_t) perm[i] * width], &tmp[(size_t) i * width], width * sizeof(float));
+                const std::vector<int> perm = ubatch_order(seq, (int) llama_n_ubatch(ctx_tgt));
+                auto unshuffle = [&](std::vector<float> & rows, size_t width, int n_rows) {
+                    if (n_rows == 0 || width == 0) {
+                        return;
+                    }
+                    std::vector<float> tmp(rows.begin(), rows.begin() + (size_t) n_rows * width);
+                    for (int i = 0; i < n_rows; ++i) {
+                        std::memcpy(&rows[(size_t) perm[i] * width], &tmp[(size_t) i * width], width * sizeof(float));
+                    }
+                };
+                unshuffle(hidden, n_embd, hidden_rows);
+                if (!layer_api) {
+                    unshuffle(feats, layers.size() * (size_t) n_embd, feat_rows);
                 }
-            };
-            unshuffle(hidden, n_embd, hidden_rows);
-            if (!layer_api) {
-                unshuffle(feats, layers.size() * (size_t) n_embd, feat_rows);
             }
             const double decode_ms = ms_since(t0);
-            head_ranges.clear();
-            for (size_t j = 0; j < group.size(); ++j) {
-                const int rows = (int) res[group[j]].draft.size() + 1;
-                const SlotStep & st = steps[group[j]];
-                head_ranges.push_back(head_range(row0[j], row0[j] + rows, st.head_rows, *st.sampler, st.rejection,
-                                                 res[group[j]].draft));
-            }
-            double shared_head_ms = 0.0;
             if (hidden_rows > 0) {
+                head_ranges = std::move(ranges);
                 // every block's first rows in one head call: the matrix is read once for all of them
                 std::vector<size_t> all(group.size());
                 std::vector<int> first(group.size());
+                int n_first = 0;
                 for (size_t j = 0; j < group.size(); ++j) {
                     all[j] = j;
                     first[j] = std::min(head_ranges[j].first, head_ranges[j].hi - head_ranges[j].lo);
+                    n_first += first[j];
                 }
-                shared_head_ms = head_more(all, first);
+                const double ms = head_more(all, first);
+                for (size_t j = 0; j < group.size(); ++j) {
+                    res[group[j]].head_ms += ms * first[j] / n_first;
+                }
             }
-            // every slot reads its rows in order; where slots need rows whose head is not computed yet, the rows all of
-            // them wait for (as many more as each has read: target_row's doubling) are computed in one call
+            // every slot reads its rows in order; where slots need rows whose head is not computed yet, the rows all
+            // of them wait for (as many more as each has read: target_row's doubling) are computed in one call
             std::vector<char> known(group.size(), 0);
             for (;;) {
                 std::vector<size_t> waiting;
@@ -439,25 +446,28 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
                 const SlotStep & st = steps[k];
                 StepResult & r = res[k];
                 const int rows = (int) r.draft.size() + 1;
-                // the decode's cost shared by rows: each slot's part is what its rows added to the batch, and its
-                // share of the head calls for rows past the first
-                r.verify_ms = (decode_ms + shared_head_ms) * rows / n + r.head_ms;
-                r.head_rows = head_ranges[j].done;
+                // a slot's part of the decode is what its rows added to the batch, and its head rows its own
+                r.verify_ms = decode_ms * rows / n + r.head_ms;
+                r.head_rows = hidden_rows > 0 ? head_ranges[j].done : 0;
                 settle(r, st.last, rows, row0[j], st.slot);
-                at(st.slot).q_tokens.clear();
+                at(st.slot).q_tokens.clear();  // its distributions are spent
             }
         }
-        for (StepResult & r : res) {  // its part of the batch: the shared decode's share and its own work
+        for (StepResult & r : res) {
             r.step_ms = r.verify_ms + r.sample_ms + r.rollback_ms + r.draft_ms;
         }
     } catch (...) {
+        // decodes only add positions from p0 on, and rollbacks only drop them, so [0, p0) is intact; a recurrent
+        // state may have moved past p0 with past unchanged, and is emptied
         interruptible = false;
         feat_rows = 0;
         n_out = 0;
         collecting = false;
+        draft_rows.clear();
+        lattice_rows.clear();
         for (size_t k = 0; k < steps.size(); ++k) {
             at(steps[k].slot).q_tokens.clear();
-            keep(p0[k], steps[k].slot);
+            keep(recurrent ? 0 : p0[k], steps[k].slot);
         }
         throw;
     }
@@ -903,7 +913,6 @@ int Session::head_threads(int r) const {
 void Session::greedy_argmax(const float * x_rows, int32_t * best, int r) {
     const auto t0 = std::chrono::steady_clock::now();
     greedy_head->argmax(x_rows, best, r, head_threads(r));
-    head_ms += ms_since(t0);
     n_argmax_rows += r;
 }
 
@@ -918,7 +927,6 @@ void Session::top_rows(const float * x_rows, GreedyHead::Top * out, int r, const
         forced[j] = of[j]->forced;
     }
     greedy_head->top(x_rows, r, head_threads(r), k.data(), forced.data(), out);
-    head_ms += ms_since(t0);
     n_top_rows += r;
 }
 
@@ -929,7 +937,6 @@ void Session::compute_head(const float * x_rows, float * y_rows, int r) {
     const int nth = head_threads(r);
     if (pad && !head_w->extra) {  // extra: a repacked layout, which only ggml's own matmul reads
         head_vec_dot(x_rows, y_rows, r, nth);
-        head_ms += ms_since(t0);
         return;
     }
     if (!head_cpu) {
@@ -960,7 +967,6 @@ void Session::compute_head(const float * x_rows, float * y_rows, int r) {
     if (st != GGML_STATUS_SUCCESS) {
         fail("the LM head failed (ggml status " + std::to_string((int) st) + ")");
     }
-    head_ms += ms_since(t0);
 }
 
 // pad: rows [i0, i0 + r) of the LM head with ggml's one-row kernel (vec_dot), each row's bits those of llama.cpp's
@@ -1299,45 +1305,6 @@ void Session::add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool 
     }
 }
 
-StepResult Session::step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
-                                   uint64_t index, bool rejection, int slot) {
-    Slot & sl = at(slot);
-    const auto t_step = std::chrono::steady_clock::now();
-    StepResult r;
-    r.draft = cut_draft(sl, draft, s);
-    std::vector<llama_token> block;
-    block.reserve(r.draft.size() + 1);
-    block.push_back(last);
-    block.insert(block.end(), r.draft.begin(), r.draft.end());
-
-    // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more, so keep a checkpoint
-    const bool ckpt = recurrent && (int) r.draft.size() > n_rs;
-    if (ckpt) {
-        const auto t0 = std::chrono::steady_clock::now();
-        save_state(sl.step_ckpt, slot);
-        r.rollback_ms += ms_since(t0);
-    }
-
-    const auto t1 = std::chrono::steady_clock::now();
-    // a plain step reads its one row: nothing to save, and llama.cpp's own head skips a graph split; with pad
-    // it goes the verify's way, its scratch row an output for the last layer and its head computed for row 0 only
-    decode_target(block.data(), (int) block.size(), sl.past,
-                  r.draft.empty() && !pad && !(head_next.keep && greedy_head) ? LogitsAll : LogitsOnDemand,
-                  slot);
-    r.verify_ms = ms_since(t1);
-    head_ms = 0.0;
-
-    const auto t_sample = std::chrono::steady_clock::now();
-    accept(r, 0, s, index, rejection, slot);
-    r.head_ms    = head_ms;  // the rows' LM head ran inside the loop: target compute, not sampling
-    r.head_rows  = head_ranges.empty() ? 0 : head_ranges[0].done;
-    r.sample_ms  = ms_since(t_sample) - head_ms;
-    r.verify_ms += head_ms;
-    settle(r, last, (int) block.size(), 0, slot);
-    r.step_ms = ms_since(t_step);
-    return r;
-}
-
 // The part of a draft a step verifies: never past the end of the context or the batch (pad: nor into the last
 // cell, which is decoded alone), nor past a token the grammar refuses, which could never be accepted.
 std::vector<llama_token> Session::cut_draft(const Slot & sl, const std::vector<llama_token> & draft,
@@ -1410,17 +1377,15 @@ void Session::settle(StepResult & r, llama_token last, int n_block, int row0, in
     sl.past = p0 + a + 1;  // `last` and the accepted drafts are now in both caches
 }
 
-void Session::decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot) {
+// A prompt chunk: decode n tokens at pos0.., with the last one's logits if `last`.
+void Session::decode_target(const llama_token * toks, int n, int pos0, bool last, int slot) {
     llama_batch_ext_clear(batch_tgt);
-    const bool all = logits == LogitsAll || logits == LogitsOnDemand;
     for (int i = 0; i < n; ++i) {
-        add_token(batch_tgt, toks[i], pos0 + i, all || (logits == LogitsLast && i == n - 1), slot);
+        add_token(batch_tgt, toks[i], pos0 + i, last && i == n - 1, slot);
     }
     capture = at(slot).capture;
-    // the scratch row is an output where every row is one, so that the last layer computes both rows
-    const int n_real_out = all ? n : logits == LogitsLast ? 1 : 0;
-    const bool scratch = add_scratch(toks[0], n, pos0, all);
-    run_target(n + scratch, n_real_out + (scratch && all), logits == LogitsOnDemand, n, n_real_out);
+    const bool scratch = add_scratch(toks[0], n, pos0, false);
+    run_target(n + scratch, last, false, n, last);
 }
 
 // pad: a one-row decode of n tokens at pos0 gets the scratch row (its token again, with logits if `output`), where
@@ -1447,7 +1412,6 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
     n_real_out = n_real_out < 0 ? n_outputs : n_real_out;
     const size_t width = layers.size() * (size_t) n_embd;
     lazy = on_demand && head_on_demand && head_w;
-    HeadRange range = std::exchange(head_next, HeadRange{0, 0, 0, 1, 0, {}});  // for this decode only: step() sets it
     probing = !head_probed && n_outputs > 0 && tgt.params.n_gpu_layers == 0;
     probe_prev = probe_w = nullptr;
     probe_tail = 0;
@@ -1492,9 +1456,7 @@ void Session::run_target(int n, int n_outputs, bool on_demand, int n_real, int n
         if (norm_seen != n) {
             fail("the final norm gave " + std::to_string(norm_seen) + " of " + std::to_string(n) + " rows");
         }
-        hidden_rows = n_real;
-        range.hi = n_real;
-        head_ranges = {std::move(range)};
+        hidden_rows = n_real;  // their head ranges are the caller's (step_batch)
     }
     if (!capture || layers.empty()) {
         feat_rows = 0;

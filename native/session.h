@@ -183,9 +183,6 @@ private:
         std::vector<llama_token> q_tokens;  // that draft (empty once verified, or after an argmax draft)
     };
 
-    // LogitsOnDemand: every row is an output, its LM head computed when target_row() first reads it (CPU targets)
-    enum Logits { LogitsNone, LogitsLast, LogitsAll, LogitsOnDemand };
-
     static constexpr int max_block = 512;
     static constexpr int max_seq = 256;  // llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h, not in llama.h)
 
@@ -298,8 +295,6 @@ private:
         std::vector<int32_t> forced;
     };
     std::vector<HeadRange> head_ranges;
-    HeadRange head_next{0, 0, 0, 1, 0, {}};  // the next decode's one range, as step() sets it (its rows: all)
-    double head_ms = 0.0;              // time in compute_head since the step began
     // The greedy LM head (greedy_head.h), where the output matrix is at least a quarter of the target's weights
     // (gemma's 262k-token head: two thirds): rows of a greedy range are computed for their argmax only, and rows of
     // a top-k range for their top (PRUNED_ARGMAX, PRUNED_TOP in row_pruned); logits() computes such a row in full.
@@ -341,8 +336,6 @@ private:
     static void drop_from(llama_context * ctx, llama_pos p0, const char * which, int slot);
     void check_tokens(const std::vector<llama_token> & toks) const;
     static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
-    StepResult step_unchecked(llama_token last, const std::vector<llama_token> & draft, Sampler & s,
-                              uint64_t index, bool rejection, int slot);
     void check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft, const Sampler & s,
                     bool rejection) const;
     std::vector<llama_token> cut_draft(const Slot & sl, const std::vector<llama_token> & draft, Sampler & s) const;
@@ -350,7 +343,7 @@ private:
                 const HeadRange * wait = nullptr);
     void settle(StepResult & r, llama_token last, int n_block, int row0, int slot);
     static std::vector<int> ubatch_order(const std::vector<int> & seq, int n_ubatch);
-    void decode_target(const llama_token * toks, int n, int pos0, Logits logits, int slot);
+    void decode_target(const llama_token * toks, int n, int pos0, bool last, int slot);
     bool add_scratch(llama_token tok, int n, int pos0, bool output);
     void drop_scratch();
     void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);

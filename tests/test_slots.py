@@ -447,13 +447,22 @@ def test_a_batched_step_of_several_slots_is_each_slots_own_step(pair, request):
         s.step_batch([(1, toks[1][-1], [], samplers[1], 60, False, 1)] * 2)
 
 
-def test_a_batched_step_is_not_for_a_recurrent_target(qwen35_pair):
+def test_a_recurrent_target_steps_one_slot_at_a_time(qwen35_pair):
+    """step() is step_batch() with one slot, on a recurrent target too (its checkpoints are per decode); two slots in
+    one batch are refused before anything is decoded."""
     from dflash_local import _native
 
     e = Engine(*qwen35_pair, n_ctx=256, n_slots=2)
-    sm = _native.Sampler(e.target, _native.Sampling())
+    s = e.session
+    sm = [_native.Sampler(e.target, _native.Sampling()) for _ in range(2)]
+    first = [s.prefill([1, 2, 3], sm[k], 0, k) for k in range(2)]
     with pytest.raises(RuntimeError, match="one slot at a time"):
-        e.session.step_batch([(0, 1, [], sm, 0, False, 1)])
+        s.step_batch([(k, first[k], [], sm[k], 1, False, 1) for k in range(2)])
+    assert [s.past(k) for k in range(2)] == [3, 3]
+    one = s.step_batch([(0, first[0], [5, 6, 7], sm[0], 1, False, 1)])[0]
+    two = s.step(first[1], [5, 6, 7], sm[1], 1, False, 1, 1)
+    assert one.tokens == two.tokens and one.n_accepted == two.n_accepted
+    assert s.past(0) == s.past(1) == 3 + one.n_accepted + 1
 
 
 @pytest.mark.parametrize("pair", ["tiny", "gemma"])
