@@ -18,6 +18,8 @@ from collections.abc import Callable
 class Drafter:
     """The interface, with the context methods of a drafter that needs nothing from the target."""
 
+    samples = False  # it drafts from a distribution draft_sampled() can draw from (rejection sampling)
+
     def draft(self, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
@@ -25,6 +27,16 @@ class Drafter:
         """draft(), and the drafter's own estimate that each token is accepted where it gives one for free (a
         DSpark confidence head, DFlash2's selector path), else None: the policy cuts the draft with it."""
         return self.draft(tokens, k), None
+
+    def draft_sampled(self, tokens: list[int], k: int, sampler, index: int) -> list[int]:
+        """k tokens drawn from the drafter's distribution (sampler's temperature, generated token number index on),
+        which a rejection-sampling step then verifies against: only where `samples`."""
+        raise NotImplementedError(f"{type(self).__name__} has no distribution to draw drafts from")
+
+    def drafted_with(self, session) -> bool:
+        """Whether its greedy drafts come from the drafter of `session`, which the engine's driver runs for several
+        slots in one decode (Engine.draft_many)."""
+        return False
 
     def context(self) -> int:
         """How many positions of the target's cache this drafter holds the features of (a prefix reused from the
@@ -57,9 +69,14 @@ class NativeDrafter(Drafter):
     features itself whenever feature capture is on (kept until the next draft, then injected in one batch), so its
     context is kept with the session's caches (prompt_cache.py), not here."""
 
+    samples = True
+
     def __init__(self, session, slot: int = 0):
         self.session = session
         self.slot = slot
+
+    def drafted_with(self, session) -> bool:
+        return session is self.session
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         return self.session.draft(tokens[-1], k, slot=self.slot).tokens
@@ -67,6 +84,9 @@ class NativeDrafter(Drafter):
     def draft_rated(self, tokens: list[int], k: int) -> tuple[list[int], list[float] | None]:
         d = self.session.draft(tokens[-1], k, slot=self.slot)
         return d.tokens, d.confidence or None
+
+    def draft_sampled(self, tokens: list[int], k: int, sampler, index: int) -> list[int]:
+        return self.session.draft(tokens[-1], k, False, sampler, index, self.slot).tokens
 
     def for_slot(self, slot: int) -> Drafter:
         return self if slot == self.slot else NativeDrafter(self.session, slot)

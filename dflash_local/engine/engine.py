@@ -21,6 +21,7 @@ from ..gguf_file import GGUFInfo, read_gguf
 from .ngram import NgramDrafter, NgramSpec
 from .placement import FLASH_ATTN, Placement
 from .policy import BatchCosts, DraftPolicy
+from .proposer import Proposer
 from .prompt_cache import PromptCache
 from .sampling import ParamError, SamplingParams
 from .stats import StatsTracker, StepStats, Summary
@@ -601,7 +602,7 @@ class Engine:
     def _check_rejection(self, drafter: Drafter, params: SamplingParams) -> None:
         """Rejection sampling verifies drafts against the drafter's own distribution: only llama.cpp's plain DFlash
         drafter has one, and a grammar would change the target's."""
-        if not isinstance(drafter, NativeDrafter):
+        if not drafter.samples:
             raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
                              "spec sampling (match) with this drafter")
         if self.draft_info is not None and self.draft_info.get("selector_top_k"):
@@ -714,10 +715,9 @@ class Engine:
         """Prefill what the slot's cache lacks of the prompt, then step (draft at most max_draft tokens from the
         drafter, verify, emit) until the output ends. The native work between two events holds the session."""
         s = self.session
-        policy = self._policy_for(sl, "drafter", max_draft if drafter else 0)
-        # the proposers, tried in this order at each step as llama.cpp's common/speculative.cpp chains them: a repeat
-        # in the context first (free), then the drafter; each with its own draft-length policy
-        chain = ([(ngram, self._policy_for(sl, "ngram", ngram.m))] if ngram else []) + [(drafter, policy)]
+        # the proposers, tried in this order at each step (proposer.py): a repeat in the context, then the drafter
+        chain = ([Proposer("ngram", ngram, self._policy_for(sl, "ngram", ngram.m))] if ngram else []) + (
+            [Proposer("drafter", drafter, self._policy_for(sl, "drafter", max_draft))] if drafter else [])
         # acceptance by block position: the drafter's block, or without one the n-gram lookup's first 7 drafts
         tracker = StatsTracker(max(max_draft + 1, 2) if drafter else min(ngram.m, 7) + 1 if ngram else 1)
         out = Output(self.target, stop, max_tokens, shown)
@@ -750,10 +750,9 @@ class Engine:
                 proposer, proposal, ratings, draft_ms, waited_ms = yield from self._propose(
                     sl.id, chain, tokens, room, index, sampler, rejection)
                 propose_ms = (time.perf_counter() - t0) * 1000 - waited_ms
-                owner = next((p for d, p in chain if d is proposer), policy)  # a plain step is the drafter's
                 pos0 = s.past(sl.id)
                 r = yield StepRequest(sl.id, tokens[-1], proposal, sampler, index, rejection,
-                                      owner.likely_rows(len(proposal)))
+                                      proposer.policy.likely_rows(len(proposal)) if proposer else 1)
                 # the llama.cpp drafter took the accepted positions' features inside the step; another drafter
                 # takes them now, whoever proposed
                 draft_ms += r.draft_ms
@@ -779,18 +778,14 @@ class Engine:
                     rollback_ms=r.rollback_ms,
                     other_ms=max(elapsed_ms - draft_ms - r.verify_ms - r.rollback_ms, 0.0),
                     rollback=r.rollback,
-                    ngram=proposer is not None and proposer is ngram,
+                    ngram=proposer is not None and proposer.name == "ngram",
                 )
                 tracker.add(stats)
                 # a rejected draft's rollback is part of what verifying it cost
                 verify_ms = stats.verify_ms + stats.rollback_ms
-                for _, p in chain:
-                    if p is owner:
-                        p.update(stats.n_drafted, stats.n_accepted, verify_ms, stats.draft_ms, r.sample_ms, ratings,
-                                 head_ms=r.head_ms, head_rows=r.head_rows, beside=sl.beside)
-                    else:
-                        p.observe(stats.n_drafted, stats.n_accepted, verify_ms, r.sample_ms, r.head_ms, r.head_rows,
-                                  sl.beside)
+                for p in chain:
+                    p.learn(p is proposer, stats.n_drafted, stats.n_accepted, verify_ms, stats.draft_ms, r.sample_ms,
+                            ratings, r.head_ms, r.head_rows, sl.beside)
                 if ev := delta(text, n_out):
                     yield ev
                 yield stats
@@ -849,33 +844,33 @@ class Engine:
                     yield Prefilled(off, len(ids))
         return first, ms
 
-    def _propose(self, slot: int, chain, tokens: list[int], room: int, index: int, sampler, rejection: bool):
-        """The first proposal of the chain of (drafter, policy): each drafts as many tokens as its policy chooses
-        (at most room), cut where the drafter rates them. The greedy drafts of the engine's llama.cpp drafter are
-        asked of the driver (a DraftRequest), which may draft several slots' in one decode. Returns the drafter that
-        proposed (None: none did, a plain step), its tokens, its ratings of them (None if it gives none), its
-        milliseconds and those spent waiting for the driver beyond them. Rejection sampling draws the llama.cpp
-        drafter's tokens from its distribution, which the step then uses."""
+    def _propose(self, slot: int, chain: list[Proposer], tokens: list[int], room: int, index: int, sampler,
+                 rejection: bool):
+        """The first proposal of the chain: each proposer drafts as many tokens as its policy chooses (at most room),
+        cut where its drafter rates them. Greedy drafts of the engine's llama.cpp drafter are asked of the driver (a
+        DraftRequest), which may draft several slots' in one decode. Returns the proposer that proposed (None: none
+        did, a plain step), its tokens, its drafter's ratings of them (None if it gives none), its milliseconds and
+        those spent waiting for the driver beyond them. Rejection sampling draws the drafter's tokens from its
+        distribution, which the step then uses."""
         spent = waited = 0.0  # a draft that its ratings cut to nothing still took its time
-        for drafter, policy in chain:
-            k = min(policy.choose(), room)
-            if drafter is None or k < 1:
+        for p in chain:
+            k = p.length(room)
+            if k < 1:
                 continue
             t0 = time.perf_counter()
-            if type(drafter) is NativeDrafter and drafter.session is self.session and not rejection:
+            if p.drafter.drafted_with(self.session) and not rejection:
                 proposal, ratings, draft_ms = yield DraftRequest(slot, tokens[-1], k)
                 waited += (time.perf_counter() - t0) * 1000 - draft_ms  # other slots' turns, not this draft
             else:
                 with self._native:
                     if rejection:
-                        proposal, ratings = self.session.draft(tokens[-1], k, False, sampler, index, slot).tokens, None
+                        proposal, ratings = p.drafter.draft_sampled(tokens, k, sampler, index), None
                     else:
-                        proposal, ratings = drafter.draft_rated(tokens, k)
+                        proposal, ratings = p.drafter.draft_rated(tokens, k)
                 draft_ms = (time.perf_counter() - t0) * 1000
-            if ratings:
-                proposal = proposal[: policy.cut(ratings, draft_ms)]
+            proposal = p.cut(proposal, ratings, draft_ms)
             if proposal:
-                return drafter, proposal, ratings, draft_ms, waited
+                return p, proposal, ratings, draft_ms, waited
             spent = draft_ms if ratings else 0.0
         return None, [], None, spent, waited
 
