@@ -1,5 +1,5 @@
 """What computing a CPU target's LM head only for the rows a step reads saves, against llama.cpp computing every row's
-(native/session.cpp, "LM head on demand"), in one process. Two parts:
+(native/head.cpp, "LM head on demand"), in one process. Two parts:
 
 1. Verify cost by hand: batches of k = 1..block tokens after one prompt, their drafts all accepted (the target's own
    continuation: every row read) or the first one rejected (one row read), the head on demand and off taking turns;

@@ -1,6 +1,8 @@
 // Session: a target context, an optional drafter context, and the speculative step (draft, verify, roll back), with
 // their options (ContextOptions) and results (Draft, StepResult). The member functions, with the comments that
-// explain them, are in session.cpp.
+// explain them, are in session.cpp (construction and the step), contexts.cpp (the contexts and each slot's sequence
+// in their caches), head.cpp (the LM head on demand), features.cpp (feature capture and injection), drafting.cpp (the
+// drafter's side) and rows.cpp (training's decode_rows); session_internal.h holds what those files share.
 
 #pragma once
 
@@ -308,25 +310,14 @@ private:
     // head_more's rows and logits: kept between calls, since a fresh 1 MB per row each call costs page faults
     std::vector<float> head_x, head_y;
 
-    const float * target_row(int i, bool full = false);
-    llama_token sample_row_of(int i, Sampler & s, uint64_t index);
-    void compute_head(const float * x_rows, float * y_rows, int r);
-    void greedy_argmax(const float * x_rows, int32_t * best, int r);
-    void top_rows(const float * x_rows, GreedyHead::Top * out, int r, const std::vector<const HeadRange *> & of);
-    char pruned_kind(const HeadRange & h) const;
-    HeadRange head_range(int lo, int hi, int first, const Sampler & s, bool rejection,
-                         const std::vector<llama_token> & draft) const;
-    int head_threads(int r) const;
-    void build_greedy_head();
-    double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
-    void head_vec_dot(const float * x_rows, float * out, int r, int nth);
+    // contexts.cpp: the contexts, and each slot's sequence in their caches
     void check_arguments(const ContextOptions & o);
     void create_contexts(const ContextOptions & o, int n_rs_seq);
     static llama_context_params context_params(const ContextOptions & o, int n_ctx, int n_batch, int n_ubatch);
     void free_all();
     Slot & at(int slot);
     const Slot & at(int slot) const;
-    template <class F> auto transaction(int slot, F && f) -> decltype(f());
+    template <class F> auto transaction(int slot, F && f) -> decltype(f());  // defined in session_internal.h
     bool keep(int n, int slot);
 
     static constexpr llama_state_seq_flags partial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
@@ -334,6 +325,8 @@ private:
     void save_state(std::vector<uint8_t> & buf, int slot);
     bool restore_state(const std::vector<uint8_t> & buf, int slot);
     static void drop_from(llama_context * ctx, llama_pos p0, const char * which, int slot);
+
+    // session.cpp: the step, and the target decode under it (abort_cb above)
     void check_tokens(const std::vector<llama_token> & toks) const;
     static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
     void check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft, const Sampler & s,
@@ -347,12 +340,30 @@ private:
     bool add_scratch(llama_token tok, int n, int pos0, bool output);
     void drop_scratch();
     void run_target(int n, int n_outputs, bool on_demand = false, int n_real = -1, int n_real_out = -1);
+
+    // head.cpp: the LM head on demand and the greedy head's rows
+    const float * target_row(int i, bool full = false);
+    llama_token sample_row_of(int i, Sampler & s, uint64_t index);
+    void compute_head(const float * x_rows, float * y_rows, int r);
+    void greedy_argmax(const float * x_rows, int32_t * best, int r);
+    void top_rows(const float * x_rows, GreedyHead::Top * out, int r, const std::vector<const HeadRange *> & of);
+    char pruned_kind(const HeadRange & h) const;
+    HeadRange head_range(int lo, int hi, int first, const Sampler & s, bool rejection,
+                         const std::vector<llama_token> & draft) const;
+    int head_threads(int r) const;
+    void build_greedy_head();
+    double head_more(const std::vector<size_t> & which, const std::vector<int> & more);
+    void head_vec_dot(const float * x_rows, float * out, int r, int nth);
+
+    // features.cpp: feature capture and deferred injection into the drafter
     static bool eval_cb(ggml_tensor * t, bool ask, void * user);
-    static bool drafter_eval_cb(ggml_tensor * t, bool ask, void * user);
     void replay(const llama_token * toks, int n, int pos0, int slot);
     void defer(int pos0, int n, int slot, int row0 = 0);
     void flush(int slot);
     void inject(int pos0, const float * rows, int n, int slot);
+
+    // drafting.cpp: the drafter's side
+    static bool drafter_eval_cb(ggml_tensor * t, bool ask, void * user);
     void draft_block(llama_token last, int n_draft, bool with_probs, const Sampler * sampler, uint64_t index,
                      Draft & d, int slot);
     static float top_prob(const float * scores, int n, int best);

@@ -1,4 +1,4 @@
-"""Deferred feature injection (native/session.cpp, Session::defer): the features of positions decoded without a
+"""Deferred feature injection (native/features.cpp, Session::defer): the features of positions decoded without a
 draft wait, and go into the drafter's cache in one batch when it next drafts. The drafter must see exactly the
 context it saw when every step injected them: its drafts (tokens and logits) are compared with those of a run that
 drafts at every step, which injects each step's features before the next draft as before.

@@ -1,4 +1,4 @@
-"""A CPU target's LM head on demand (native/session.cpp): a verify batch stops after the final norm and the head runs
+"""A CPU target's LM head on demand (native/head.cpp): a verify batch stops after the final norm and the head runs
 only for the rows the accept loop reads, with the target's own output matrix and ggml kernel. Every row's logits
 must be llama.cpp's own, bit for bit, so verification stays lossless."""
 
