@@ -1,6 +1,7 @@
 // Sampling: the parameters, the one uniform number per generated token, sample_row (llama.cpp's top-k, top-p,
 // min-p and temperature, bit for bit); Sampler, one generation's sampling state (penalties, logit biases, a grammar,
-// logprobs, rejection sampling); draw_tempered for sampled drafts. The ranked-selection math is in sampler.cpp.
+// logprobs, rejection sampling); draw_tempered for sampled drafts. sample_row.cpp holds the ranked-selection math,
+// sampler.cpp the Sampler.
 
 #pragma once
 
@@ -62,6 +63,8 @@ static ALWAYS_INLINE float exp_approx(float x) {
 
 llama_token sample_row(const float * logits, int n_vocab, const Sampling & s, uint64_t index,
                        std::vector<Candidate> & cand);
+void logit_range(const float * logits, int n, float & lo, float & hi);  // a row's smallest and largest logit
+double temper(float logit, float lmax, float temperature);              // exp((logit - lmax) / temperature)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sampler: one generation's sampling state. Besides the Sampling parameters it holds the controls llama.cpp's common

@@ -154,6 +154,9 @@ class Recording(NativeDrafter):
         super().__init__(session)
         self.drafts, self.also = {}, also
 
+    def drafted_with(self, session):  # it drafts itself, so that the engine calls draft_rated, not draft_many
+        return False
+
     def draft_rated(self, tokens, k):  # what the engine calls
         for j in self.also:
             self.drafts[len(tokens), j] = super().draft_rated(tokens, j)[0]

@@ -117,6 +117,7 @@ INCLUDES = [
     ("rpc.cpp", {"common.h"}),
     ("model.cpp", {"model.h"}),
     ("greedy_head.cpp", {"greedy_head.h"}),
+    ("sample_row.cpp", {"sampler.h"}),
     ("sampler.cpp", {"sampler.h"}),
     # Session's files, each by one concern
     ("session.cpp", {"session_internal.h"}),

@@ -11,7 +11,7 @@ MASK = 2**64 - 1
 
 
 def uniform(seed: int, index: int) -> float:
-    """hash(seed, index), the uniform number of generated token `index` (splitmix64, as in native/sampler.cpp)."""
+    """hash(seed, index), the uniform number of generated token `index` (splitmix64, as in native/sample_row.cpp)."""
     z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK

@@ -10,7 +10,7 @@ decoding. The adaptive policy picks the n that maximises expected tokens per mil
 a_k are running estimates (a Beta(1, 1) prior, decayed so they follow the text), T and D medians of recent
 measured times, filled in for unmeasured sizes by a line through the measured ones, S the median time to sample one
 row of logits: a step samples one row per token it yields, drafting or not, so a dear sampler shrinks what drafting
-can save. On CPUs a verify batch computes the target's LM head only for the rows the step reads (native/session.cpp,
+can save. On CPUs a verify batch computes the target's LM head only for the rows the step reads (native/head.cpp,
 "LM head on demand"): T(n + 1) then holds the batch with one row's head, as a plain step pays, and H, the median
 head time per row, is paid for each further row read, one per further token made (0 where llama.cpp computes every
 row's head, which T then holds). A drafting step that paid off (more tokens per millisecond than plain decoding)
