@@ -105,24 +105,7 @@ void Session::check_step(const Slot & sl, llama_token last, const std::vector<ll
 // interrupt() stops its first decode (Interrupted), and the same steps can run again (not with rejection sampling,
 // whose drafts' distributions would be gone, nor a recurrent target, whose state would be: never interrupted).
 std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps) {
-    if ((recurrent || pad) && steps.size() > 1) {
-        throw std::logic_error("a recurrent target or a padded session steps one slot at a time");
-    }
-    std::vector<int> order(steps.size());
-    for (size_t k = 0; k < steps.size(); ++k) {
-        const SlotStep & st = steps[k];
-        if (!st.sampler) {
-            throw std::invalid_argument("every slot's step needs its sampler");
-        }
-        check_step(at(st.slot), st.last, st.draft, *st.sampler, st.rejection);
-        for (size_t j = 0; j < k; ++j) {
-            if (steps[j].slot == st.slot) {
-                throw std::invalid_argument("slot " + std::to_string(st.slot) + " has two steps in one batch");
-            }
-        }
-        order[k] = (int) k;
-    }
-    std::sort(order.begin(), order.end(), [&](int a, int b) { return steps[a].slot < steps[b].slot; });
+    const std::vector<int> order = check_steps(steps);
     LogScope log(verbose);
     const bool may_interrupt = !recurrent && std::none_of(steps.begin(), steps.end(), [](const SlotStep & st) {
         return st.rejection;
@@ -134,135 +117,19 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
     }
     try {
         for (size_t g0 = 0; g0 < order.size();) {
-            std::vector<int> group;  // this decode's steps
-            std::vector<int> row0;   // their first rows
-            std::vector<HeadRange> ranges;
-            int n = 0;
-            llama_batch_ext_clear(batch_tgt);
-            for (size_t g = g0; g < order.size(); ++g) {
-                const int k = order[g];
-                const SlotStep & st = steps[k];
-                Slot & sl = at(st.slot);
-                StepResult & r = res[k];
-                r.draft = cut_draft(sl, st.draft, *st.sampler);
-                const int rows = (int) r.draft.size() + 1;
-                if (n + rows > n_batch) {
-                    break;
-                }
-                group.push_back(k);
-                row0.push_back(n);
-                ranges.push_back(head_range(n, n + rows, st.head_rows, *st.sampler, st.rejection, r.draft));
-                for (int i = 0; i < rows; ++i) {
-                    add_token(batch_tgt, i == 0 ? st.last : r.draft[i - 1], sl.past + i, true, st.slot);
-                }
-                n += rows;
-            }
-            g0 += group.size();
-            const SlotStep & st0 = steps[group[0]];
-            if (recurrent && (int) res[group[0]].draft.size() > n_rs) {
-                // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more
-                const auto t0 = std::chrono::steady_clock::now();
-                save_state(at(st0.slot).step_ckpt, st0.slot);
-                res[group[0]].rollback_ms += ms_since(t0);
-            }
-            const bool scratch = add_scratch(st0.last, n, at(st0.slot).past, true);
-            // a plain step's one row goes llama.cpp's way where the greedy head has no part in it (nothing to save,
-            // and llama.cpp's head skips a graph split); every other row's LM head waits for the accept loop
-            const bool on_demand = n > 1 || pad || (ranges[0].keep && greedy_head);
-            const auto t0 = std::chrono::steady_clock::now();
-            capture = std::any_of(group.begin(), group.end(), [&](int k) { return at(steps[k].slot).capture; });
-            // only the first decode: after it, slots have accepted tokens and moved their samplers on
-            interruptible = may_interrupt && g0 == group.size();
-            t_interruptible = t0;
-            // asked before the decode began: giving it up costs only the time to llama.cpp's first check, however
-            // late a busy machine makes that
-            const bool asked = interrupt_wanted.load(std::memory_order_relaxed);
-            interrupt_within_ms = step_ms_per_row > 0.0 && !asked ? 0.5 * step_ms_per_row * n : 1e30;
-            run_target(n + scratch, n + scratch, on_demand, n, n);
-            interruptible = false;
-            step_ms_per_row = ms_since(t0) / n;
-            if (group.size() > 1) {
-                // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows
-                // the eval callback copied back in batch order
-                std::vector<int> seq;
-                for (int k : group) {
-                    seq.insert(seq.end(), (int) res[k].draft.size() + 1, steps[k].slot);
-                }
-                const std::vector<int> perm = ubatch_order(seq, (int) llama_n_ubatch(ctx_tgt));
-                auto unshuffle = [&](std::vector<float> & rows, size_t width, int n_rows) {
-                    if (n_rows == 0 || width == 0) {
-                        return;
-                    }
-                    std::vector<float> tmp(rows.begin(), rows.begin() + (size_t) n_rows * width);
-                    for (int i = 0; i < n_rows; ++i) {
-                        std::memcpy(&rows[(size_t) perm[i] * width], &tmp[(size_t) i * width], width * sizeof(float));
-                    }
-                };
-                unshuffle(hidden, n_embd, hidden_rows);
-                if (!layer_api) {
-                    unshuffle(feats, layers.size() * (size_t) n_embd, feat_rows);
-                }
-            }
-            const double decode_ms = ms_since(t0);
-            if (hidden_rows > 0) {
-                head_ranges = std::move(ranges);
-                // every block's first rows in one head call: the matrix is read once for all of them
-                std::vector<size_t> all(group.size());
-                std::vector<int> first(group.size());
-                int n_first = 0;
-                for (size_t j = 0; j < group.size(); ++j) {
-                    all[j] = j;
-                    first[j] = std::min(head_ranges[j].first, head_ranges[j].hi - head_ranges[j].lo);
-                    n_first += first[j];
-                }
-                const double ms = head_more(all, first);
-                for (size_t j = 0; j < group.size(); ++j) {
-                    res[group[j]].head_ms += ms * first[j] / n_first;
-                }
-            }
-            // every slot reads its rows in order; where slots need rows whose head is not computed yet, the rows all
-            // of them wait for (as many more as each has read: target_row's doubling) are computed in one call
-            std::vector<char> known(group.size(), 0);
-            for (;;) {
-                std::vector<size_t> waiting;
-                for (size_t j = 0; j < group.size(); ++j) {
-                    const int k = group[j];
-                    const SlotStep & st = steps[k];
-                    if (known[j]) {
-                        continue;
-                    }
-                    const auto t_sample = std::chrono::steady_clock::now();
-                    known[j] = accept(res[k], row0[j], *st.sampler, st.index, st.rejection, st.slot,
-                                      hidden_rows > 0 ? &head_ranges[j] : nullptr);
-                    res[k].sample_ms += ms_since(t_sample);
-                    if (!known[j]) {
-                        waiting.push_back(j);
-                    }
-                }
-                if (waiting.empty()) {
-                    break;
-                }
-                std::vector<int> more;
-                int m_all = 0;
-                for (size_t j : waiting) {
-                    const HeadRange & h = head_ranges[j];
-                    more.push_back(std::min(h.hi, h.lo + 2 * h.done) - (h.lo + h.done));
-                    m_all += more.back();
-                }
-                const double ms = head_more(waiting, more);
-                for (size_t w = 0; w < waiting.size(); ++w) {
-                    res[group[waiting[w]]].head_ms += ms * more[w] / m_all;
-                }
-            }
-            for (size_t j = 0; j < group.size(); ++j) {
-                const int k = group[j];
-                const SlotStep & st = steps[k];
-                StepResult & r = res[k];
+            Group g = batch_blocks(steps, order, g0, res);
+            // only the first decode may be given up: after it, slots have accepted tokens and moved their samplers on
+            const double decode_ms = verify_blocks(g, steps, res, may_interrupt && g0 == 0);
+            g0 += g.steps.size();
+            read_rows(g, steps, res);
+            for (size_t j = 0; j < g.steps.size(); ++j) {
+                const SlotStep & st = steps[g.steps[j]];
+                StepResult & r = res[g.steps[j]];
                 const int rows = (int) r.draft.size() + 1;
                 // a slot's part of the decode is what its rows added to the batch, and its head rows its own
-                r.verify_ms = decode_ms * rows / n + r.head_ms;
+                r.verify_ms = decode_ms * rows / g.n + r.head_ms;
                 r.head_rows = hidden_rows > 0 ? head_ranges[j].done : 0;
-                settle(r, st.last, rows, row0[j], st.slot);
+                settle(r, st.last, rows, g.row0[j], st.slot);
                 at(st.slot).q_tokens.clear();  // its distributions are spent
             }
         }
@@ -285,6 +152,162 @@ std::vector<StepResult> Session::step_batch(const std::vector<SlotStep> & steps)
         throw;
     }
     return res;
+}
+
+// Every step of a batch checked before anything is decoded; the order of their slots.
+std::vector<int> Session::check_steps(const std::vector<SlotStep> & steps) const {
+    if ((recurrent || pad) && steps.size() > 1) {
+        throw std::logic_error("a recurrent target or a padded session steps one slot at a time");
+    }
+    std::vector<int> order(steps.size());
+    for (size_t k = 0; k < steps.size(); ++k) {
+        const SlotStep & st = steps[k];
+        if (!st.sampler) {
+            throw std::invalid_argument("every slot's step needs its sampler");
+        }
+        check_step(at(st.slot), st.last, st.draft, *st.sampler, st.rejection);
+        for (size_t j = 0; j < k; ++j) {
+            if (steps[j].slot == st.slot) {
+                throw std::invalid_argument("slot " + std::to_string(st.slot) + " has two steps in one batch");
+            }
+        }
+        order[k] = (int) k;
+    }
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return steps[a].slot < steps[b].slot; });
+    return order;
+}
+
+// The blocks of the steps order[g0..] that the batch holds, into batch_tgt: each step's draft cut (res), its first
+// row and its head range.
+Session::Group Session::batch_blocks(const std::vector<SlotStep> & steps, const std::vector<int> & order, size_t g0,
+                                     std::vector<StepResult> & res) {
+    Group g;
+    llama_batch_ext_clear(batch_tgt);
+    for (size_t i = g0; i < order.size(); ++i) {
+        const int k = order[i];
+        const SlotStep & st = steps[k];
+        const Slot & sl = at(st.slot);
+        StepResult & r = res[k];
+        r.draft = cut_draft(sl, st.draft, *st.sampler);
+        const int rows = (int) r.draft.size() + 1;
+        if (g.n + rows > n_batch) {
+            break;
+        }
+        g.steps.push_back(k);
+        g.row0.push_back(g.n);
+        g.ranges.push_back(head_range(g.n, g.n + rows, st.head_rows, *st.sampler, st.rejection, r.draft));
+        for (int j = 0; j < rows; ++j) {
+            add_token(batch_tgt, j == 0 ? st.last : r.draft[j - 1], sl.past + j, true, st.slot);
+        }
+        g.n += rows;
+    }
+    return g;
+}
+
+// The target decode of a group's blocks, its rows (hidden states, features) put back in batch order. Returns its
+// milliseconds.
+double Session::verify_blocks(const Group & g, const std::vector<SlotStep> & steps, std::vector<StepResult> & res,
+                              bool may_interrupt) {
+    const SlotStep & st0 = steps[g.steps[0]];
+    if (recurrent && (int) res[g.steps[0]].draft.size() > n_rs) {
+        // snapshots cover a rollback of at most n_rs tokens; a longer draft could need more
+        const auto t0 = std::chrono::steady_clock::now();
+        save_state(at(st0.slot).step_ckpt, st0.slot);
+        res[g.steps[0]].rollback_ms += ms_since(t0);
+    }
+    const bool scratch = add_scratch(st0.last, g.n, at(st0.slot).past, true);
+    // a plain step's one row goes llama.cpp's way where the greedy head has no part in it (nothing to save, and
+    // llama.cpp's head skips a graph split); every other row's LM head waits for the accept loop
+    const bool on_demand = g.n > 1 || pad || (g.ranges[0].keep && greedy_head);
+    const auto t0 = std::chrono::steady_clock::now();
+    capture = std::any_of(g.steps.begin(), g.steps.end(), [&](int k) { return at(steps[k].slot).capture; });
+    interruptible = may_interrupt;
+    t_interruptible = t0;
+    // asked before the decode began: giving it up costs only the time to llama.cpp's first check, however late a
+    // busy machine makes that
+    const bool asked = interrupt_wanted.load(std::memory_order_relaxed);
+    interrupt_within_ms = step_ms_per_row > 0.0 && !asked ? 0.5 * step_ms_per_row * g.n : 1e30;
+    run_target(g.n + scratch, g.n + scratch, on_demand, g.n, g.n);
+    interruptible = false;
+    step_ms_per_row = ms_since(t0) / g.n;
+    if (g.steps.size() > 1) {
+        // with a cache per sequence llama.cpp computes the rows in its own order (ubatch_order): put the rows the
+        // eval callback copied back in batch order
+        std::vector<int> seq;
+        for (int k : g.steps) {
+            seq.insert(seq.end(), (int) res[k].draft.size() + 1, steps[k].slot);
+        }
+        const std::vector<int> perm = ubatch_order(seq, (int) llama_n_ubatch(ctx_tgt));
+        auto unshuffle = [&](std::vector<float> & rows, size_t width, int n_rows) {
+            if (n_rows == 0 || width == 0) {
+                return;
+            }
+            std::vector<float> tmp(rows.begin(), rows.begin() + (size_t) n_rows * width);
+            for (int i = 0; i < n_rows; ++i) {
+                std::memcpy(&rows[(size_t) perm[i] * width], &tmp[(size_t) i * width], width * sizeof(float));
+            }
+        };
+        unshuffle(hidden, n_embd, hidden_rows);
+        if (!layer_api) {
+            unshuffle(feats, layers.size() * (size_t) n_embd, feat_rows);
+        }
+    }
+    return ms_since(t0);
+}
+
+// Each slot of a decoded group reads its rows in order (accept); where its LM head runs on demand, every block's
+// first rows are computed in one call, and then the rows the slots still wait for (as many more as each has read:
+// target_row's doubling), in one call per round: the matrix is read once for all of them. Each slot's head_ms is its
+// share of those calls.
+void Session::read_rows(Group & g, const std::vector<SlotStep> & steps, std::vector<StepResult> & res) {
+    const size_t n = g.steps.size();
+    if (hidden_rows > 0) {
+        head_ranges = std::move(g.ranges);
+        std::vector<size_t> all(n);
+        std::vector<int> first(n);
+        int n_first = 0;
+        for (size_t j = 0; j < n; ++j) {
+            all[j] = j;
+            first[j] = std::min(head_ranges[j].first, head_ranges[j].hi - head_ranges[j].lo);
+            n_first += first[j];
+        }
+        const double ms = head_more(all, first);
+        for (size_t j = 0; j < n; ++j) {
+            res[g.steps[j]].head_ms += ms * first[j] / n_first;
+        }
+    }
+    std::vector<char> known(n, 0);
+    for (;;) {
+        std::vector<size_t> waiting;
+        for (size_t j = 0; j < n; ++j) {
+            if (known[j]) {
+                continue;
+            }
+            const SlotStep & st = steps[g.steps[j]];
+            StepResult & r = res[g.steps[j]];
+            const auto t_sample = std::chrono::steady_clock::now();
+            known[j] = accept(r, g.row0[j], *st.sampler, st.index, st.rejection, st.slot,
+                              hidden_rows > 0 ? &head_ranges[j] : nullptr);
+            r.sample_ms += ms_since(t_sample);
+            if (!known[j]) {
+                waiting.push_back(j);
+            }
+        }
+        if (waiting.empty()) {
+            return;
+        }
+        std::vector<int> more;
+        int m_all = 0;
+        for (size_t j : waiting) {
+            const HeadRange & h = head_ranges[j];
+            more.push_back(std::min(h.hi, h.lo + 2 * h.done) - (h.lo + h.done));
+            m_all += more.back();
+        }
+        const double ms = head_more(waiting, more);
+        for (size_t w = 0; w < waiting.size(); ++w) {
+            res[g.steps[waiting[w]]].head_ms += ms * more[w] / m_all;
+        }
+    }
 }
 
 // The part of a draft a step verifies: never past the end of the context or the batch (pad: nor into the last

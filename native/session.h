@@ -331,6 +331,19 @@ private:
     static void add_token(llama_batch_ext * b, llama_token t, llama_pos pos, bool logits, llama_seq_id seq = 0);
     void check_step(const Slot & sl, llama_token last, const std::vector<llama_token> & draft, const Sampler & s,
                     bool rejection) const;
+    // The steps of one target decode of step_batch: indices into its steps, their first rows and head ranges
+    struct Group {
+        std::vector<int> steps;
+        std::vector<int> row0;
+        std::vector<HeadRange> ranges;
+        int n = 0;  // rows
+    };
+    std::vector<int> check_steps(const std::vector<SlotStep> & steps) const;
+    Group batch_blocks(const std::vector<SlotStep> & steps, const std::vector<int> & order, size_t g0,
+                       std::vector<StepResult> & res);
+    double verify_blocks(const Group & g, const std::vector<SlotStep> & steps, std::vector<StepResult> & res,
+                         bool may_interrupt);
+    void read_rows(Group & g, const std::vector<SlotStep> & steps, std::vector<StepResult> & res);
     std::vector<llama_token> cut_draft(const Slot & sl, const std::vector<llama_token> & draft, Sampler & s) const;
     bool accept(StepResult & r, int row0, Sampler & s, uint64_t index, bool rejection, int slot,
                 const HeadRange * wait = nullptr);
