@@ -6,6 +6,8 @@ draft's wall-clock milliseconds per step come with it. One process and the same 
 drafters compare fairly. docs/measurements.md, "Drafter training experiments".
 
     python bench/acceptance.py DRAFTER.gguf [DRAFTER.gguf ...] [-m TARGET] [--prompts bench/prompts.jsonl] [-n 64]
+
+A prompt set whose rows carry a "kind" (bench/chat-heldout.jsonl: chat, code, reasoning) gets tau per kind too.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def main() -> None:
         by_position = ", ".join(f"{r:.2f}" for r, d in zip(s.acceptance_rate, s.drafted_at) if d)
         print(f"{drafter}: tau {s.mean_acceptance_length:.3f} over {s.steps} steps; accepted by position "
               f"{by_position}; draft {s.draft_ms / s.steps:.1f} ms per step", flush=True)
+        kinds = sorted({row["kind"] for row in rows if "kind" in row})  # a prompt set's categories, if it has them
+        for kind in kinds:
+            k = pooled([r for r, row in zip(runs, rows) if row.get("kind") == kind])
+            print(f"  {kind}: tau {k.mean_acceptance_length:.3f} over {k.steps} steps", flush=True)
         del engine
 
 

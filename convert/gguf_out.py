@@ -69,6 +69,20 @@ def write_gguf_atomic(path: str | os.PathLike, arch: str, fill) -> Path:
     return path
 
 
+def unused_control_token(info) -> int | None:
+    """The last control token that is none of the tokenizer's named ones (bos, eos, ...) and not in the chat
+    template: text never holds it, so it can stand for a masked position (SmolLM2's <empty_output>)."""
+    tokens = info.kv["tokenizer.ggml.tokens"].values
+    types = info.kv.get("tokenizer.ggml.token_type")
+    if types is None:
+        return None
+    named = {v for k, v in info.kv.items() if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
+    template = info.kv.get("tokenizer.chat_template") or ""
+    unused = [i for i, t in enumerate(types.values)
+              if t == gguf.TokenType.CONTROL and i not in named and tokens[i] not in template]
+    return unused[-1] if unused else None
+
+
 def tokenizer_kv(target_path, mask_token_id: int | None = None) -> list[tuple]:
     """The target's tokenizer.* metadata as (key, value, type, array element type), with a mask token set.
 
@@ -88,6 +102,8 @@ def tokenizer_kv(target_path, mask_token_id: int | None = None) -> list[tuple]:
     if mask_token_id is None:
         tokens = info.kv["tokenizer.ggml.tokens"].values
         mask_token_id = next((tokens.index(t) for t in _MASK_CANDIDATES if t in tokens), None)
+    if mask_token_id is None:
+        mask_token_id = unused_control_token(info)
         if mask_token_id is None:
             raise ValueError(f"{target_path}: the tokenizer has no mask token; pass one explicitly")
     out = [kv for kv in out if kv[0] != "tokenizer.ggml.mask_token_id"]

@@ -411,6 +411,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    "(default 16384 for targets with more than 65536 tokens, else the full vocabulary)")
     p.add_argument("--corpus", help="prompts: a text file (blank-line separated) or JSONL with 'prompt'/'text' "
                    "(default: code and prose from what is installed, see `dflash-local corpus`)")
+    p.add_argument("--chat", action="store_true", help="for an instruct model: each prompt is a user message and the "
+                   "data is the target's answers through its chat template (default corpus: `corpus --chat`'s)")
+    p.add_argument("--data-temp", type=float, default=0.0, metavar="T", help="sample every other answer in the data "
+                   "at temperature T from the target's top 8 tokens (default 0: all greedy)")
     p.add_argument("--samples", type=int, default=800, help="training continuations to generate (default 800)")
     p.add_argument("-np", "--parallel", type=int, default=16, help="continuations decoded side by side in one target "
                    "batch while making data (default 16)")
@@ -419,6 +423,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    "rather than continues, for more data per hour: labelled where the text agrees with the target "
                    "(default 0)")
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--train-seconds", type=float, default=0.0, metavar="S", help="train for about S seconds: the "
+                   "steps are set from the first 20 steps' rate, at most --steps (default 0: --steps)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -450,10 +456,10 @@ def cmd_corpus(args) -> int:
 
     from .train.corpus import write_corpus
 
-    rows = write_corpus(args.out, args.seed)
+    rows = write_corpus(args.out, args.seed, args.chat, args.n)
     kinds = Counter(r.kind for r in rows)
-    print(f"dflash-local: wrote {len(rows)} prompts ({kinds['code']} code, {kinds['prose']} prose) with their source "
-          f"and licence to {args.out}", file=sys.stderr)
+    print(f"dflash-local: wrote {len(rows)} prompts ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) with "
+          f"their source and licence to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -563,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("corpus", help="write the default training prompts with their source and licence (JSONL)")
     co.add_argument("-o", "--out", required=True, help="the JSONL file to write")
     co.add_argument("--seed", type=int, default=0, help="the order's seed, as train's --seed (default 0)")
+    co.add_argument("--chat", action="store_true", help="user messages for an instruct model's drafter (code, chat "
+                    "and reasoning requests), as train --chat uses")
+    co.add_argument("-n", type=int, help="the first N prompts only")
     co.set_defaults(func=cmd_corpus)
 
     tr = sub.add_parser("train", help="train a DFlash drafter for a target GGUF on its own greedy continuations")

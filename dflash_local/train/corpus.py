@@ -283,21 +283,32 @@ def read_corpus(path: str | Path) -> list[str]:
     return prompts
 
 
-def training_prompts(corpus: str | Path | None = None, seed: int = 0, passages: bool = False) -> list[str]:
+def training_prompts(corpus: str | Path | None = None, seed: int = 0, passages: bool = False,
+                     chat: bool = False) -> list[str]:
     """The prompts (or passages) in a fixed shuffled order (so that a resumed run continues where it stopped). A
-    --corpus file's texts serve as both."""
+    --corpus file's texts serve as both. chat: the default chat corpus's user messages (chat_corpus.py)."""
     if corpus is not None:
         prompts = read_corpus(corpus)
         random.Random(seed + passages).shuffle(prompts)
         return prompts
+    if chat and not passages:
+        from .chat_corpus import chat_corpus
+
+        return [p.text for p in chat_corpus(seed)]
     return [p.text for p in default_corpus(seed, passages)]
 
 
-def write_corpus(path: str | Path, seed: int = 0) -> list[Prompt]:
-    """The default corpus as JSONL (prompt, source, license, kind), in training order."""
+def write_corpus(path: str | Path, seed: int = 0, chat: bool = False, n: int | None = None) -> list[Prompt]:
+    """The default corpus (chat: the chat corpus; n: its first n) as JSONL (prompt, source, license, kind), in
+    training order."""
     from ..atomic import atomic_output
 
-    rows = default_corpus(seed)
+    if chat:
+        from .chat_corpus import chat_corpus
+
+        rows = chat_corpus(seed, n)
+    else:
+        rows = default_corpus(seed)[:n]
     with atomic_output(Path(path)) as tmp:
         tmp.write_text("".join(json.dumps({"prompt": p.text} | {k: v for k, v in asdict(p).items() if k != "text"})
                                + "\n" for p in rows))

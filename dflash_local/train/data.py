@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import _native
 from ..atomic import atomic_output
+from ..chat.templates import render
+from ..gguf_file import read_gguf
 from ..engine.placement import FLASH_ATTN, Placement
 
 FORMAT = 2  # bfloat16 features and top-k distributions
@@ -98,9 +99,21 @@ class Running:
                       np.concatenate(self.top_logprobs)[:n].astype(np.float16))
 
 
-def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: int, n_prompt_max: int):
-    """Greedy continuations of the given prompts, decoded side by side; yields (index, Sample) as each finishes."""
+def chat_texts(target_path, model, messages: dict[int, str]) -> dict[int, str]:
+    """Each user message as the target's chat template renders it, ready for the answer."""
+    info = read_gguf(target_path)
+    bos, eos = (model.piece(t, True).decode(errors="replace") if t >= 0 else "" for t in (model.bos, model.eos))
+    template = info.kv.get("tokenizer.chat_template")
+    return {i: render([{"role": "user", "content": m}], template, info.arch, bos, eos) for i, m in messages.items()}
+
+
+def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: int, n_prompt_max: int,
+             chat: bool = False, temperature: float = 0.0):
+    """Continuations of the given prompts, decoded side by side; yields (index, Sample) as each finishes. Greedy, or
+    with temperature > 0 the odd-numbered ones sampled from the target's top TOP_K (seeded by the index). chat: the
+    prompts are chat-template output, their control tokens parsed."""
     queue = sorted(prompts)
+    rngs = {i: np.random.default_rng(i) for i in prompts if temperature > 0 and i % 2}
     running: list[Running] = []
     free = list(range(n_parallel))
     per_seq = session.n_ctx // n_parallel  # the room each sequence is allowed in the shared cache
@@ -108,7 +121,7 @@ def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: 
         # start prompts while their rows fit in one batch
         n_rows = sum(len(r.rows()) for r in running)
         while queue and free:
-            ids = model.tokenize(prompts[queue[0]], True, False)[:n_prompt_max]
+            ids = model.tokenize(prompts[queue[0]], True, chat)[:n_prompt_max]
             if n_rows + len(ids) > session.n_batch:
                 break
             running.append(Running(queue.pop(0), free.pop(), ids, len(ids)))
@@ -131,6 +144,9 @@ def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: 
             off += n
             r.fresh = False
             nxt = int(top_ids[off - 1, 0])
+            if r.index in rngs:
+                p = np.exp((top_logprobs[off - 1] - top_logprobs[off - 1].max()) / temperature)
+                nxt = int(top_ids[off - 1, rngs[r.index].choice(TOP_K, p=p / p.sum())])
             if model.is_eog(nxt) or max_new == 0:  # the end-of-generation token is never drafted: it is not kept
                 done = True
             else:
@@ -145,19 +161,29 @@ def generate(session, model, prompts: dict[int, str], n_parallel: int, max_new: 
         running = still
 
 
-def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
-              n_prompt_max: int = 256, n_parallel: int = 16, progress=None,
-              placement: Placement | None = None) -> list[Path]:
-    """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+def data_meta(target_path, layers: list[int], max_new: int, n_prompt_max: int, chat: bool = False,
+              temperature: float = 0.0) -> dict:
+    """What made a data folder (its meta.json): a run adds to or trains on data only where this matches."""
     meta = {"target": Path(target_path).name, "layers": list(layers), "max_new": max_new, "n_prompt_max": n_prompt_max,
             "format": FORMAT}
+    if chat or temperature:  # recorded only when set, so data made before these existed still matches
+        meta |= {"chat": chat, "temperature": temperature}
+    return meta
+
+
+def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samples: int, max_new: int,
+              n_prompt_max: int = 256, n_parallel: int = 16, progress=None,
+              placement: Placement | None = None, chat: bool = False, temperature: float = 0.0) -> list[Path]:
+    """Make samples 0..n_samples-1 in `folder`, skipping those already there. Returns their paths. chat: each prompt
+    is a user message, rendered by the target's chat template; temperature > 0: every other answer sampled."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = data_meta(target_path, layers, max_new, n_prompt_max, chat, temperature)
     meta_path = folder / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != meta:
-            diff = ", ".join(k for k in meta if old.get(k) != meta[k])
+            diff = ", ".join(k for k in {**old, **meta} if old.get(k) != meta.get(k))
             raise ValueError(f"{folder} holds data made differently ({diff}); use another --out or delete it")
     else:
         with atomic_output(meta_path) as tmp:
@@ -175,6 +201,8 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
                 raise ValueError(f"{path} was made from another prompt than the corpus's prompt {i} (another corpus, "
                                  f"seed or set of installed packages); use another --out or delete it")
     if todo:
+        from .. import _native  # here: a run whose data is all made (elsewhere, say) needs no llama.cpp
+
         pl = placement or Placement()
         model = _native.Model(str(target_path), **pl.model_kwargs())
         n_parallel = max(1, min(n_parallel, len(todo)))
@@ -184,7 +212,9 @@ def make_data(target_path, folder, layers: list[int], prompts: list[str], n_samp
         kw["n_ubatch"] = kw["n_batch"]
         session = _native.Session(model, None, layers, n_parallel * per_seq, pl.threads,
                                   _native.arch_records_layer_inputs(model.arch), FLASH_ATTN[pl.fa], **kw)
-        for i, s in generate(session, model, todo, n_parallel, max_new, n_prompt_max):
+        texts = chat_texts(target_path, model, todo) if chat else todo
+        for i, s in generate(session, model, texts, n_parallel, max_new, n_prompt_max, chat, temperature):
+            s.prompt = todo[i]
             save_sample(sample_path(folder, i), s)
             if progress:
                 progress(i, len(s.tokens) - s.n_prompt if max_new else len(s.tokens))  # passages: tokens read

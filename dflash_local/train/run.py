@@ -51,7 +51,7 @@ from .data import PASSAGE_TOKENS, Sample, from_bf16, load_sample, make_data
 # changing these makes a different drafter: a resumed run must keep them
 # (--samples may grow: the draft vocabulary is kept in the checkpoint)
 SHAPE_FIELDS = ("variant", "init", "n_layer", "n_ff", "target_layers", "block_size", "draft_vocab", "corpus",
-                "max_new", "seed")
+                "max_new", "seed", "chat")
 # a DFlash2 drafter's convolution and candidate selector (z-lab's names, in dflash_config)
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 4}
 
@@ -68,11 +68,14 @@ class TrainConfig:
     block_size: int = 8
     draft_vocab: int | None = None  # None: 16384 for targets with more than 65536 tokens, else the full vocabulary
     corpus: str | None = None
+    chat: bool = False  # the prompts are user messages, rendered by the target's chat template
+    temperature: float = 0.0  # > 0: every other answer in the data sampled at this temperature
     samples: int = 800
     max_new: int = 192
     text_samples: int = 0  # corpus passages read (teacher-forced) by the target, besides the continuations
     parallel: int = 16  # continuations decoded side by side while making data
     steps: int = 3000
+    seconds: float = 0.0  # > 0: train about this long (the steps set from the first 20 steps' rate, within --steps)
     batch: int = 4  # sequences per step
     anchors: int = 16  # blocks per sequence
     lr: float = 1e-3
@@ -296,7 +299,7 @@ class Trainer:
         from .corpus import training_prompts
 
         cfg = self.cfg
-        prompts = training_prompts(cfg.corpus, cfg.seed)
+        prompts = training_prompts(cfg.corpus, cfg.seed, chat=cfg.chat)
         n = len(prompts) - cfg.eval_prompts
         if cfg.samples > n:
             raise ValueError(f"the corpus has {len(prompts)} prompts: too few for {cfg.samples} samples and "
@@ -313,7 +316,8 @@ class Trainer:
             self.log(f"data: {what} {i + 1}/{total}, {n_new} tokens ({rate:.0f} tokens/s)")
 
         paths = make_data(cfg.target, self.out / "data", cfg.target_layers, prompts, cfg.samples, cfg.max_new,
-                          n_parallel=cfg.parallel, progress=progress, placement=Placement(**cfg.placement))
+                          n_parallel=cfg.parallel, progress=progress, placement=Placement(**cfg.placement),
+                          chat=cfg.chat, temperature=cfg.temperature)
         if cfg.text_samples:
             from .corpus import training_prompts
 
@@ -415,7 +419,8 @@ class Trainer:
                         draft_policy="fixed")
         drafted = accepted = steps = 0
         for p in prompts:
-            s = engine.complete(p, max_tokens=cfg.eval_tokens).summary
+            chat = {"messages": [{"role": "user", "content": p}]} if cfg.chat else {"prompt": p}
+            s = engine.complete(**chat, max_tokens=cfg.eval_tokens).summary
             steps, drafted, accepted = steps + s.steps, drafted + s.n_drafted, accepted + s.n_accepted
         del engine
         return {"mean_acceptance_length": (accepted + steps) / max(steps, 1), "drafted": drafted,
@@ -472,6 +477,7 @@ class Trainer:
         history = self.out / "train.log.jsonl"
         bar = tqdm(total=cfg.steps, initial=step, desc="train", file=sys.stderr, dynamic_ncols=True)
         recent_loss, recent_acc, recent_s = [], [], []
+        t_train, step0 = time.perf_counter(), step
         try:
             while step < cfg.steps:
                 t_step = time.perf_counter()
@@ -489,6 +495,11 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 step += 1
+                if cfg.seconds and step == step0 + 20:  # the steps the time allows, at the first 20 steps' rate
+                    rate = 20 / (time.perf_counter() - t_train)
+                    cfg.steps = min(cfg.steps, max(step + 1, step0 + int(rate * cfg.seconds)))
+                    bar.total = cfg.steps
+                    self.log(f"{rate:.2f} steps/s: training to step {cfg.steps} in about {cfg.seconds:.0f} s")
                 recent_s = (recent_s + [time.perf_counter() - t_step])[-50:]
                 recent_loss = (recent_loss + [total / max(wsum, 1e-9)])[-50:]
                 recent_acc = (recent_acc + [1 + float(np.mean(acc)) if acc else 1.0])[-50:]
@@ -540,8 +551,8 @@ def run_train(args) -> int:
         n_layer=args.layers,
         n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
-        samples=args.samples, max_new=args.max_new, text_samples=args.text_samples, parallel=args.parallel,
-        steps=args.steps, batch=args.batch,
+        chat=args.chat, temperature=args.data_temp, samples=args.samples, max_new=args.max_new, text_samples=args.text_samples, parallel=args.parallel,
+        steps=args.steps, seconds=args.train_seconds, batch=args.batch,
         anchors=args.anchors,
         lr=args.lr, soft=args.soft_labels, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,
