@@ -216,7 +216,7 @@ def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool,
     """One prompt's row (plain, fixed blocks, the adaptive policy, with n-gram drafts, the prompt-lookup peer; sampled:
     rejection sampling too), its token ids and plain decoding's output."""
     kw = row_request(row) | (sampling or {})
-    base = engine.complete(**kw, max_tokens=max_tokens, draft=False)
+    base = engine.complete(**kw, max_tokens=max_tokens, draft=False, cache_prompt=False)  # its prompt afresh
     engine.draft_policy = "fixed"
     fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
     engine.draft_policy = "auto"
@@ -226,6 +226,11 @@ def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool,
     r = {
         "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
         "tokens": len(base.token_ids),
+        # prompt processing (the plain run's, afresh; the others reuse its cache) and each run's end-to-end time
+        # with that prompt processing: what a client waits for the whole answer
+        "prompt_tokens": base.summary.n_prompt, "prompt_ms": base.summary.prompt_ms,
+        "baseline_end_to_end_s": (base.summary.prompt_ms + base.summary.decode_ms) / 1000,
+        "ngram_end_to_end_s": (base.summary.prompt_ms + both.summary.decode_ms) / 1000,
         "baseline_tokens_per_second": base.summary.tokens_per_second,
         "dflash_tokens_per_second": s.tokens_per_second,
         "speedup": s.tokens_per_second / base.summary.tokens_per_second if base.summary.tokens_per_second else 0,
@@ -267,6 +272,9 @@ def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> 
     n_rollbacks = fixed.n_rollbacks
     overall = {
         "baseline_tokens_per_second": _pooled_speed(rows, "baseline_tokens_per_second"),
+        "prompt_tokens_per_second": sum(r["prompt_tokens"] for r in rows) / (sum(r["prompt_ms"] for r in rows) / 1000),
+        "baseline_end_to_end_s": sum(r["baseline_end_to_end_s"] for r in rows),
+        "ngram_end_to_end_s": sum(r["ngram_end_to_end_s"] for r in rows),
         "dflash_tokens_per_second": _pooled_speed(rows, "dflash_tokens_per_second"),
         "dflash_fixed_tokens_per_second": _pooled_speed(rows, "dflash_fixed_tokens_per_second"),
         "mean_acceptance_length": tau,
@@ -338,7 +346,10 @@ def markdown(result: dict) -> str:
               f"{o['checkpoint_rollbacks']} by checkpoint + replay). "
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
-              f"Lossless: {o['lossless']}."]
+              f"Lossless: {o['lossless']}. Prompt processing {o['prompt_tokens_per_second']:.1f} tok/s "
+              f"({sum(r['prompt_tokens'] for r in result['rows'])} prompt tokens, each prompt afresh); end to end "
+              f"(prompt processing and decoding, all prompts) {o['baseline_end_to_end_s']:.1f} s plain"
+              + (f", {o['ngram_end_to_end_s']:.1f} s the default (DFlash + n-gram)" if ngram else "") + "."]
     if sampling:
         lines[-1] += (f" Sampled: temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, top-p "
                       f"{sampling['top_p']:g}, min-p {sampling['min_p']:g}, prompt i with seed {sampling['seed']} + i; "

@@ -93,7 +93,8 @@ class Server:
         """Completion of the prompt tokens `ids` (sent as ids: llama-server adds no BOS to them and applies no
         template), n_predict tokens at most, the prompt evaluated afresh; greedy, or with `sampling` (temperature,
         top_k, top_p, min_p, seed: its fields of the same names). Returns its token ids, its timings (predicted_n,
-        predicted_ms, predicted_per_second, and draft_n / draft_n_accepted, 0 without drafts) and the request's
+        predicted_ms, predicted_per_second, prompt_n, prompt_ms, and draft_n / draft_n_accepted, 0 without drafts) and
+        the request's
         wall-clock seconds."""
         body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": False, "return_tokens": True}
         body |= sampling or {}
@@ -118,4 +119,5 @@ class Server:
         t = out["timings"]
         return {"tokens": out["tokens"], "predicted_n": t["predicted_n"], "predicted_ms": t["predicted_ms"],
                 "predicted_per_second": t["predicted_per_second"], "draft_n": t.get("draft_n", 0),
-                "draft_n_accepted": t.get("draft_n_accepted", 0), "wall_s": wall}
+                "draft_n_accepted": t.get("draft_n_accepted", 0), "prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"],
+                "wall_s": wall}

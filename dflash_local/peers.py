@@ -64,12 +64,15 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
              its_plain: list[list[int]] | None, our_speed: float) -> dict:
     """bench.json's entry for one configuration. tokens_per_second is total decode tokens over total decode time
     (as our overall figures); mean_tokens_per_second the mean of llama-server's per-prompt predicted_per_second;
-    wall_tokens_per_second all tokens over the requests' wall-clock time (prompt processing and HTTP included)."""
+    wall_tokens_per_second all tokens over the requests' wall-clock time (prompt processing and HTTP included);
+    prompt_tokens_per_second its prompt processing (every prompt evaluated afresh); end_to_end_s the requests'
+    wall-clock seconds, summed."""
     row = {k: config[k] for k in ("name", "type", "n_max", "p_min")} | {
         "command": command, "upstream_defaults": config["type"] is not None and (
             config["n_max"] is None or (config["n_max"], config["p_min"]) == UPSTREAM_DEFAULTS),
         "best_of_sweep": False, "error": error, "prompts": 0, "tokens": 0, "tokens_per_second": None,
         "mean_tokens_per_second": None, "wall_tokens_per_second": None, "speedup_vs_our_plain": None,
+        "prompt_tokens_per_second": None, "end_to_end_s": None,
         "drafted": None, "accepted": None, "acceptance": None, "identical_to_our_plain": None,
         "identical_to_its_plain": None}
     if done is None:
@@ -81,6 +84,8 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
         "prompts": len(done), "tokens": sum(d["predicted_n"] for d in done), "tokens_per_second": speed,
         "mean_tokens_per_second": statistics.mean(d["predicted_per_second"] for d in done),
         "wall_tokens_per_second": sum(d["predicted_n"] for d in done) / sum(d["wall_s"] for d in done),
+        "prompt_tokens_per_second": sum(d["prompt_n"] for d in done) / (sum(d["prompt_ms"] for d in done) / 1000),
+        "end_to_end_s": sum(d["wall_s"] for d in done),
         "speedup_vs_our_plain": speed / our_speed if our_speed else None,
         "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
         "identical_to_our_plain": sum(d["tokens"] == ours for d, ours in zip(done, ours_plain)),
@@ -120,23 +125,25 @@ def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[
 
 def markdown(peers: list[dict], n_prompts: int) -> str:
     lines = ["| llama-server | tok/s | mean tok/s | wall tok/s | vs our plain | acceptance | = our plain | "
-             "= its plain |", "|---|---|---|---|---|---|---|---|"]
+             "= its plain | prompt tok/s | end to end s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in peers:
         name = r["name"] + (" (upstream defaults)" if r["upstream_defaults"] and r["n_max"] is not None else "") + (
             " **best of sweep**" if r["best_of_sweep"] else "")
         if r["error"]:
-            lines.append(f"| {name} | {r['error'].replace('|', '/')} | | | | | | |")
+            lines.append(f"| {name} | {r['error'].replace('|', '/')} | | | | | | | | |")
             continue
         acceptance = "" if r["type"] is None else "none drafted" if not r["drafted"] else f"{r['acceptance']:.2f}"
         lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r['mean_tokens_per_second']:.1f} | "
                      f"{r['wall_tokens_per_second']:.1f} | {r['speedup_vs_our_plain']:.2f} | "
                      f"{acceptance} | {r['identical_to_our_plain']}/{n_prompts} | "
                      + (f"{r['identical_to_its_plain']}/{n_prompts} |" if r["identical_to_its_plain"] is not None
-                        else " |"))
+                        else " |")
+                     + f" {r['prompt_tokens_per_second']:.1f} | {r['end_to_end_s']:.1f} |")
     command = next((r["command"] for r in peers if r["type"] is None), peers[0]["command"])
     lines += ["", "tok/s: total decode tokens over total decode time (llama-server's timings; the first token of each "
               "prompt comes with its prompt, as in our rows); mean tok/s: mean of its per-prompt predicted_per_second; "
-              "wall tok/s: tokens over each request's wall-clock time, prompt processing and HTTP included. "
+              "wall tok/s: tokens over each request's wall-clock time, prompt processing and HTTP included; prompt "
+              "tok/s: its prompt processing, every prompt afresh; end to end s: the requests' wall-clock seconds. "
               "Acceptance: draft tokens accepted / drafted. = our plain, = its plain: outputs token-identical to our "
               "plain greedy decoding, to llama-server's plain run. Prompts sent as our token ids (chat prompts through "
               "our chat template). n-gram types ignore --spec-draft-n-max/--spec-draft-p-min and run once. Upstream's "

@@ -29,6 +29,11 @@ def test_bench_writes_json_markdown_and_plot(tiny_target, tiny_drafter, tmp_path
     assert o["prompt_lookup_tokens_per_second"] > 0 and o["prompt_lookup_errors"] == 0
     assert sorted(int(k) for k in o["verify_ms"]) == list(range(1, 9))
     assert len(result["rows"]) == 2 and all(row["lossless"] for row in result["rows"])
+    # prompt processing (each prompt afresh) and the end-to-end times, prompt processing included
+    assert all(row["prompt_tokens"] > 0 and row["prompt_ms"] > 0 for row in result["rows"])
+    assert o["prompt_tokens_per_second"] > 0
+    assert o["baseline_end_to_end_s"] > sum(row["prompt_ms"] for row in result["rows"]) / 1000
+    assert o["ngram_end_to_end_s"] > 0
     assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| **overall** |" in (tmp_path / "out" / "bench.md").read_text()
     assert "[2/2]" in r.stderr  # progress

@@ -32,6 +32,8 @@ def test_the_chat_corpus_mixes_code_chat_and_reasoning_with_provenance(tmp_path)
         assert r.source != "generated" or r.license == OURS
     assert any(r.source != "generated" for r in rows) and any(r.source == "generated" for r in rows)
     assert rows == chat_corpus(0, 90)  # reproducible
+    held = [json.loads(line)["messages"][0]["content"] for line in (ROOT / "bench" / "chat-heldout.jsonl").open()]
+    assert not set(held) & {r.text for r in chat_corpus(0)}  # the held-out messages are never trained on
     out = tmp_path / "chat.jsonl"
     assert main(["corpus", "--chat", "-n", "30", "-o", str(out)]) == 0
     written = [json.loads(line) for line in out.read_text().splitlines()]

@@ -20,7 +20,7 @@ BINARY = Path(os.environ.get("DFLASH_LLAMA_SERVER") or Path(__file__).parents[1]
 PEER_KEYS = {"name", "type", "n_max", "p_min", "command", "upstream_defaults", "best_of_sweep", "error", "prompts",
              "tokens", "tokens_per_second", "mean_tokens_per_second", "wall_tokens_per_second",
              "speedup_vs_our_plain", "drafted", "accepted", "acceptance", "identical_to_our_plain",
-             "identical_to_its_plain"}
+             "identical_to_its_plain", "prompt_tokens_per_second", "end_to_end_s"}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,7 @@ def test_bench_runs_every_configuration_of_the_real_llama_server(tiny_target, ti
             continue
         assert p["prompts"] == 2 and 0 < p["tokens"] <= 32 and p["tokens_per_second"] > 0
         assert p["mean_tokens_per_second"] > 0 and p["wall_tokens_per_second"] > 0 and p["speedup_vs_our_plain"] > 0
+        assert p["prompt_tokens_per_second"] > 0 and p["end_to_end_s"] > 0
         assert 0 <= p["identical_to_our_plain"] <= 2 and 0 <= p["identical_to_its_plain"] <= 2
         assert "--host 127.0.0.1" in p["command"] and "-np 1" in p["command"] and "-t 2" in p["command"]
         assert p["command"].endswith(" -fa off")

@@ -671,3 +671,70 @@ def test_ctrl_c_ends_the_streams_in_flight_and_the_server(gemma_target, gemma_dr
     assert not errors and [end[1] for end in ends] == ["data: [DONE]"] * 2
     assert all(json.loads(end[0][6:])["choices"][0]["finish_reason"] is None for end in ends)  # cut, not finished
     assert "Traceback" not in stderr and "terminate" not in stderr, stderr[-2000:]
+
+
+def test_a_prompt_decoded_in_slices_is_the_same_as_in_one_batch(tiny_target, tiny_drafter):
+    """Engine.prefill_chunk (what the server's runner lowers while other slots stream) cuts a prompt that fits one
+    batch into slices of that many tokens; the output is the prompt's output in one batch."""
+    from dflash_local import Prefilled
+
+    e = Engine(tiny_target, tiny_drafter, n_ctx=1024)
+    long = "A long prompt: " + " ".join(f"word{i}" for i in range(60))
+    n_prompt = len(e.prompt_tokens(long))
+    assert 48 < n_prompt < e.session.n_batch
+    whole = e.complete(long, max_tokens=24, cache_prompt=False)
+    e.prefill_chunk = 16
+    events = list(e.generate(long, max_tokens=24, cache_prompt=False))
+    assert [ev.n_done for ev in events if isinstance(ev, Prefilled)] == list(range(16, n_prompt, 16))
+    assert events[-1].token_ids == whole.token_ids
+
+
+def test_a_long_prompt_beside_a_stream_goes_a_slice_per_round(tiny_target, tiny_drafter):
+    """While another slot streams, the runner decodes a prompt that fits one batch a slice per round (the stream
+    steps in between: /slots shows the prompt's progress); on an idle runner it goes in one batch. Both outputs are
+    their requests' run alone."""
+    import asyncio
+
+    from dflash_local.server.runner import Runner
+
+    e = Engine(tiny_target, tiny_drafter, n_ctx=2048, n_slots=2)
+    single = Engine(tiny_target, tiny_drafter, n_ctx=2048)
+    long = "A long prompt: " + " ".join(f"word{i}" for i in range(90))
+    n_prompt = len(e.prompt_tokens(long))
+    assert n_prompt < e.session.n_batch
+
+    async def run(streaming: bool):
+        runner = Runner(e)
+        events, progress = [], set()
+
+        async def drain(job):
+            while (ev := await job.next()) is not None:
+                events.append(ev)
+
+        if streaming:
+            stream = asyncio.create_task(drain(runner.submit(e.prepare("Hello world", max_tokens=300))))
+            while not events:
+                await asyncio.sleep(0.01)
+        job = runner.submit(e.prepare(long, max_tokens=8, cache_prompt=False))
+        while job.slot is None:
+            await asyncio.sleep(0)
+        long_events = []
+        while not long_events:
+            progress.add(runner.slots[job.slot].n_prompt_done)
+            try:
+                ev = await asyncio.wait_for(job.next(), 0.0005)
+            except TimeoutError:
+                continue
+            long_events.append(ev)
+        while (ev := await job.next()) is not None:
+            long_events.append(ev)
+        if streaming:
+            await stream
+        runner.close()
+        return events, long_events, progress - {0, n_prompt}
+
+    stream_events, beside, progress = asyncio.run(run(True))
+    assert progress  # the prompt was seen part-way, a slice per round
+    _, alone, _ = asyncio.run(run(False))
+    assert beside[-1].token_ids == alone[-1].token_ids == single.complete(long, max_tokens=8).token_ids
+    assert stream_events[-1].token_ids == single.complete("Hello world", max_tokens=300).token_ids

@@ -251,6 +251,9 @@ class Engine:
         self.draft_path = draft
         self.chat_template = chat_template or self.target_info.kv.get("tokenizer.chat_template")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # the most prompt tokens one prefill decode takes (None: a whole batch, -b): the server's runner lowers it while
+        # other slots stream, so that a long prompt goes a slice per round (server/runner.py)
+        self.prefill_chunk: int | None = None
         self.target = _native.Model(str(model), verbose=verbose, **placement.model_kwargs())
         self.draft_model = None  # the llama.cpp drafter's weights
         self.drafter: Drafter | None = None  # what drafts when generate() is not given a drafter
@@ -826,10 +829,11 @@ class Engine:
         # a recurrent state cannot be cut back later: checkpoint it before the prompt's last token, where the next
         # prompt that repeats or extends this one can start again (PromptCache.reusable)
         ends = [len(ids) - 1, len(ids)] if s.recurrent and len(ids) - 1 > n_cached else [len(ids)]
-        chunk_size = s.n_batch  # one native decode: features() holds the last decode's rows only
         off = n_cached
         for end in ends:
             while off < end:
+                # one native decode at most (features() holds the last decode's rows only), as the runner allows now
+                chunk_size = min(s.n_batch, self.prefill_chunk or s.n_batch)
                 with self._native:
                     t0 = time.perf_counter()
                     chunk = ids[off : min(off + chunk_size, end)]

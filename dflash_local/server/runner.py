@@ -2,7 +2,8 @@
 
 A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
 picks one) or waits in a bounded FIFO queue. The worker runs rounds: every running generation goes on to its next
-step (or through one batch of its prompt); the slots' drafts from the engine's drafter are made together
+step (or through one slice of its prompt: a whole batch when nothing else runs, else about as long as the others'
+step, so a long prompt does not stop their streams); the slots' drafts from the engine's drafter are made together
 (Engine.draft_many: one drafter decode for the blocks of one length), then all their steps run in one target decode
 (Engine.step_many). A
 request that arrives while others stream starts at the next round instead of after they end, and each
@@ -29,6 +30,9 @@ from dataclasses import dataclass
 
 from ..engine.engine import DraftRequest, Engine, Finished, Generation, Interrupted, Prefilled, StepRequest
 from ..engine.stats import StepStats
+
+
+MIN_SLICE = 16  # prompt tokens a prefilling slot decodes per round at least, while others stream
 
 
 class QueueFullError(RuntimeError):
@@ -111,6 +115,8 @@ class Runner:
         self._again: list[StepRequest] = []  # the steps of an interrupted round, to run in the next one
         self.interrupted = 0  # rounds interrupted so far (/metrics)
         self._last_used = [0] * len(engine.slots)
+        self._step_ms: float | None = None  # the streams' last decode (drafts and step), a running mean
+        self._prompt_ms: float | None = None  # milliseconds per prompt token, a running mean
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -241,21 +247,29 @@ class Runner:
     def _round(self) -> None:
         """One round (a call of its own: nothing of it, such as a request's sampler, outlives it while the worker
         waits)."""
-        # each running generation goes on to its next step, or through one batch of its prompt (a request that
+        # each running generation goes on to its next step, or through one slice of its prompt (a request that
         # arrives meanwhile starts before the next slot's turn), the drafts they ask the drafter for are made
         # together, then the steps of all of them run in one target decode
         # an interrupted round's steps run again, but not those of a generation cancelled meanwhile: it ends below
         requests, self._again = [q for q in self._again if not self._running[q.slot][0].cancel.is_set()], []
         turned = {q.slot for q in requests}
         drafts = []
+        streaming = any(self._decoding(k) for k in self._running)
+        self.engine.prefill_chunk = self._prompt_slice() if streaming else None
         while True:
             fresh = self._admit()
             slot = next((k for k in fresh + list(self._running) if k not in turned), None)
             if slot is None:
                 break
             turned.add(slot)
+            before, t0 = self.slots[slot].n_prompt_done, time.perf_counter()
+            prefilling = not self._decoding(slot)
             q = self._advance(slot)
+            if prefilling and self.slots[slot].n_prompt_done > before:
+                ms = (time.perf_counter() - t0) * 1000 / (self.slots[slot].n_prompt_done - before)
+                self._prompt_ms = ms if self._prompt_ms is None else 0.5 * (self._prompt_ms + ms)
             (drafts if isinstance(q, DraftRequest) else requests).append(q)
+        t0 = time.perf_counter()
         while drafts:
             try:
                 results = self.engine.draft_many(drafts)
@@ -282,6 +296,21 @@ class Runner:
             return
         for q, r in zip(requests, results):
             self._results[q.slot] = r
+        ms = (time.perf_counter() - t0) * 1000
+        self._step_ms = ms if self._step_ms is None else 0.5 * (self._step_ms + ms)
+
+    def _decoding(self, slot: int) -> bool:
+        """The slot's generation is past its prompt."""
+        task = self.slots[slot]
+        return slot in self._running and task.n_prompt_done >= task.n_prompt
+
+    def _prompt_slice(self) -> int:
+        """Prompt tokens a prefilling slot may decode in a round while others stream: about as long as their step, so
+        their gap between tokens stays within about twice the usual (issue #37), never under MIN_SLICE tokens; a
+        long prompt then takes about twice as long as alone. Before both times are measured, MIN_SLICE."""
+        if self._step_ms is None or self._prompt_ms is None:
+            return MIN_SLICE
+        return max(MIN_SLICE, int(self._step_ms / self._prompt_ms))
 
     def _advance(self, slot: int) -> StepRequest | DraftRequest | None:
         """Run the slot's generation up to its next step or draft (handing its events to the caller), or through one

@@ -39,17 +39,29 @@ PROGRAMS = (
 PROSE_TASKS = (
     "Summarize this in two sentences.", "What is this about?", "Explain this to a beginner.",
     "List the key points of this text.", "Rewrite this in simpler words.", "What questions does this text answer?",
+    "Translate this into plain English.", "Who would find this useful, and why?", "Write a title for this text.",
 )
 TOPICS = (
     "the ocean", "autumn", "a city at night", "friendship", "coffee", "mountains", "the moon", "a lost key",
     "gardening", "rain", "a train journey", "libraries", "winter mornings", "bees", "the desert", "music",
     "learning to cook", "a first job", "bicycles", "the stars", "a small village", "a thunderstorm", "old photographs",
-    "running", "the internet", "volcanoes", "a rainy weekend", "birds", "chess", "the river",
+    "running", "the internet", "volcanoes", "a rainy weekend", "birds", "chess", "the river", "public transport",
+    "saving money", "learning a language", "sleep", "houseplants", "electric cars", "board games", "photography",
+    "camping", "recycling", "time management", "the solar system", "dinosaurs", "ancient Rome", "honey", "bread",
+    "a job interview", "moving to a new city", "meditation", "video games", "the human heart", "vaccines",
+    "earthquakes", "the printing press", "coral reefs", "tea", "cats", "dogs", "penguins", "smartphones",
+    "solar panels", "a birthday party", "a road trip", "painting", "knitting", "football", "swimming",
+    "climate change", "the water cycle", "bridges", "lighthouses", "the first computers", "a museum visit",
 )
 ASKS = (
     "Write a short poem about {t}.", "Give me three tips about {t}.", "Write a short story about {t}.",
     "Tell me some interesting facts about {t}.", "Describe {t} in a few sentences.",
     "Write a haiku about {t}.", "Why do people like {t}?", "Write a short paragraph about {t} for children.",
+    "What are the pros and cons of {t}?", "Explain {t} to a ten-year-old.", "Write a blog post introduction about {t}.",
+    "What should a beginner know about {t}?", "Give me a fun quiz question about {t}.",
+    "Write a tweet about {t}.", "Summarize the history of {t} briefly.", "What are common mistakes people make with {t}?",
+    "Write a short dialogue between two friends about {t}.", "List five words that describe {t}.",
+    "Write an email to a friend about {t}.", "What is a good first step to learn about {t}?",
 )
 THINGS = ("apples", "pencils", "books", "tickets", "marbles", "cookies", "stamps", "bottles of water", "notebooks",
           "oranges")
