@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(n_prompt) / (first - sent):.0f} prompt tokens/s) |")
     print(f"| the same alone (`cache_prompt: false`) | {ttft_alone:.1f} s ({len(n_prompt) / ttft_alone:.0f} prompt "
           f"tokens/s) |")
-    print(f"| its output beside the streams equals its output alone | {''.join(beside_texts) == ''.join(alone_texts)} |")
+    same = "".join(beside_texts) == "".join(alone_texts)
+    print(f"| its output beside the streams equals its output alone | {same} |")
     return 0
 
 

@@ -59,7 +59,8 @@ ASKS = (
     "Write a haiku about {t}.", "Why do people like {t}?", "Write a short paragraph about {t} for children.",
     "What are the pros and cons of {t}?", "Explain {t} to a ten-year-old.", "Write a blog post introduction about {t}.",
     "What should a beginner know about {t}?", "Give me a fun quiz question about {t}.",
-    "Write a tweet about {t}.", "Summarize the history of {t} briefly.", "What are common mistakes people make with {t}?",
+    "Write a tweet about {t}.", "Summarize the history of {t} briefly.",
+    "What are common mistakes people make with {t}?",
     "Write a short dialogue between two friends about {t}.", "List five words that describe {t}.",
     "Write an email to a friend about {t}.", "What is a good first step to learn about {t}?",
 )
