@@ -7,25 +7,23 @@ and answers differ from the engine's by rounding: fine for training data, never 
 Two steps, because the GPU machine has no llama.cpp:
   here:   python bench/torch_llama_data.py prepare -m TARGET.gguf --corpus C.jsonl -n N --chat -o PROMPTS.npz
           (the corpus's first N prompts in train's order, rendered by the chat template and tokenized by llama.cpp)
-  there:  python bench/torch_llama_data.py make -m TARGET.gguf --prompts PROMPTS.npz -o RUN/data --layers 2,15,28
+  there:  PYTHONPATH=. python bench/torch_llama_data.py make -m TARGET.gguf --prompts PROMPTS.npz -o RUN/data --layers 2,15,28
           --max-new 256 --temp 0.8 --seconds 300
-then `dflash-local train -o RUN --corpus C.jsonl --chat --data-temp 0.8 --samples S ...` trains on them.
+(PYTHONPATH=.: the source tree, where dflash-local is not installed; `make` needs no llama.cpp), then
+`dflash-local train -o RUN --corpus C.jsonl --chat --data-temp 0.8 --samples S ...` trains on them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash_local.train.data import TOP_K, Sample, data_meta, sample_path, save_sample, to_bf16  # noqa: E402
+from dflash_local.train.data import TOP_K, Sample, data_meta, sample_path, save_sample, to_bf16
 
 N_PROMPT_MAX = 256  # as make_data's default
 
