@@ -1,5 +1,5 @@
-"""Training data for a drafter of a llama-architecture target, made by PyTorch on a GPU (how the SmolLM2 drafter's
-data was made, drafters/README.md): the same samples as `dflash-local train`'s data stage (train/data.py's format
+"""Training data for a drafter of a llama-architecture target, made by PyTorch on a GPU (how the first SmolLM2 drafter's
+data was made, docs/measurements.md#on-an-nvidia-h100): the same samples as `dflash-local train`'s data stage (train/data.py's format
 and meta.json, sample i from prompt i), but decoded by a plain PyTorch llama over the GGUF's dequantized weights, with
 hundreds of answers side by side. That is not llama.cpp's arithmetic (its matmuls quantize activations), so features
 and answers differ from the engine's by rounding: fine for training data, never for verification.
@@ -7,8 +7,8 @@ and answers differ from the engine's by rounding: fine for training data, never 
 Two steps, because the GPU machine has no llama.cpp:
   here:   python bench/torch_llama_data.py prepare -m TARGET.gguf --corpus C.jsonl -n N --chat -o PROMPTS.npz
           (the corpus's first N prompts in train's order, rendered by the chat template and tokenized by llama.cpp)
-  there:  PYTHONPATH=. python bench/torch_llama_data.py make -m TARGET.gguf --prompts PROMPTS.npz -o RUN/data --layers 2,15,28
-          --max-new 256 --temp 0.8 --seconds 300
+  there:  PYTHONPATH=. python bench/torch_llama_data.py make -m TARGET.gguf --prompts PROMPTS.npz -o RUN/data
+          --layers 2,15,28 --max-new 256 --temp 0.8 --seconds 300
 (PYTHONPATH=.: the source tree, where dflash-local is not installed; `make` needs no llama.cpp), then
 `dflash-local train -o RUN --corpus C.jsonl --chat --data-temp 0.8 --samples S ...` trains on them.
 """
