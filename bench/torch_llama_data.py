@@ -1,8 +1,9 @@
 """Training data for a drafter of a llama-architecture target, made by PyTorch on a GPU (how the first SmolLM2
 drafter's data was made, docs/measurements.md#on-an-nvidia-h100): the same samples as `dflash-local train`'s data
 stage (train/data.py's format and meta.json, sample i from prompt i), but decoded by a plain PyTorch llama over the
-GGUF's dequantized weights, with hundreds of answers side by side. That is not llama.cpp's arithmetic (its matmuls quantize activations), so features
-and answers differ from the engine's by rounding: fine for training data, never for verification.
+GGUF's dequantized weights, with hundreds of answers side by side. That is not llama.cpp's arithmetic (its matmuls
+quantize activations), so features and answers differ from the engine's by rounding: fine for training data, never
+for verification.
 
 Two steps, because the GPU machine has no llama.cpp:
   here:   python bench/torch_llama_data.py prepare -m TARGET.gguf --corpus C.jsonl -n N --chat -o PROMPTS.npz
