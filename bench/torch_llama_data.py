@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_local.atomic import atomic_output
 from dflash_local.train.data import TOP_K, Sample, data_meta, sample_path, save_sample, to_bf16
 
 N_PROMPT_MAX = 256  # as make_data's default
@@ -191,7 +192,8 @@ def make(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = data_meta(args.target, layers, args.max_new, N_PROMPT_MAX, bool(z["chat"]), args.temp)
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    with atomic_output(out / "meta.json") as tmp:  # as make_data writes it
+        tmp.write_text(json.dumps(meta, indent=1))
     m = Llama(args.target, args.device)
     gen = torch.Generator(device=args.device).manual_seed(0)
     t0, made, i0 = time.perf_counter(), 0, 0
