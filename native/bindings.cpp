@@ -42,13 +42,15 @@ PYBIND11_MODULE(_native, m) {
     py::register_exception<NativeError>(m, "NativeError", PyExc_RuntimeError);
     py::register_exception<Interrupted>(m, "Interrupted", PyExc_RuntimeError);
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
-    // llamafile's sgemm (a GGML_LLAMAFILE build) is batch-invariant from two rows on, and sessions give every
-    // target decode two rows at least there (Session::pad)
+    // llamafile's sgemm (a GGML_LLAMAFILE build) is batch-invariant; upstream's leaves a row alone to vec_dot, and
+    // sessions give every target decode two rows at least there (Session::pad)
     m.def("cpu_matmul_batch_invariant", []() {
         const char * tiled = getenv("GGML_CPU_TILED_MM");
         return tiled && std::string(tiled) == "0";
     }, "Whether CPU matmuls give a verify-batch row the same bits as a single-token decode.");
     m.def("sgemm_built_in", &sgemm_built_in, "Whether this llama.cpp has llamafile's sgemm (GGML_LLAMAFILE).");
+    m.def("sgemm_skips_one_row", &sgemm_skips_one_row,
+          "Whether its sgemm leaves a row alone to vec_dot, as upstream's does (setup.sh's gives sgemm every row).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("supports_rpc", []() { return llama_supports_rpc(); });
     m.def("add_rpc_server", &add_rpc_server, py::arg("endpoint"),

@@ -7,6 +7,13 @@
 #include <cstring>
 #include <mutex>
 
+#if defined(__APPLE__)
+#include <dlfcn.h>
+#elif defined(__ELF__)
+// defined by the sgemm of setup.sh's build (native/ggml/patch_ggml.py); null elsewhere
+extern "C" __attribute__((weak)) bool dflash_sgemm_batch_invariant(void);
+#endif
+
 static thread_local LogScope * t_scope = nullptr;
 
 static std::mutex        g_log_mutex;
@@ -121,4 +128,16 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 bool sgemm_built_in() {
     static const bool on = std::strstr(llama_print_system_info(), "LLAMAFILE = 1") != nullptr;
     return on;
+}
+
+// Whether ggml leaves a product's row alone to vec_dot, which rounds differently from sgemm's rows: llamafile's sgemm
+// as upstream builds it. setup.sh's build gives sgemm every row (native/ggml/patch_ggml.py), and says so by a symbol.
+bool sgemm_skips_one_row() {
+#if defined(__APPLE__)
+    return sgemm_built_in() && dlsym(RTLD_DEFAULT, "dflash_sgemm_batch_invariant") == nullptr;
+#elif defined(__ELF__)
+    return sgemm_built_in() && dflash_sgemm_batch_invariant == nullptr;
+#else
+    return sgemm_built_in();
+#endif
 }

@@ -75,6 +75,7 @@ const float * logits_row(llama_context * ctx, int32_t i, const std::string & wha
 llama_batch_ext * new_batch(llama_context * ctx);
 double ms_since(std::chrono::steady_clock::time_point t0);
 bool sgemm_built_in();
+bool sgemm_skips_one_row();
 
 // llama.cpp's RPC backend (rpc.cpp)
 int add_rpc_server(const std::string & endpoint);

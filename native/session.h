@@ -234,9 +234,9 @@ private:
     ggml_backend_buffer_t compute_buf = nullptr;      // the target's compute buffer, where in host memory (eval_cb)
     ggml_backend_buffer_t compute_buf_dft = nullptr;  // the drafter's (drafter_eval_cb)
 
-    // Batch invariance with llamafile's sgemm (a GGML_LLAMAFILE build, llama.cpp's default). Its kernels give an
-    // element of a product the same bits whatever the number of rows, but ggml calls them from two rows on only:
-    // a row alone goes to vec_dot, which rounds differently (the attention's f16 products too, in every model).
+    // Batch invariance with upstream's llamafile sgemm (a GGML_LLAMAFILE build not patched by setup.sh). Its kernels
+    // give an element of a product the same bits whatever the number of rows, but ggml calls them from two rows on
+    // only: a row alone goes to vec_dot, which rounds differently (the attention's f16 products too, in every model).
     // So with such a build and the target on the CPU (pad), no position's layers are computed in a row of their
     // own: a one-token decode carries a scratch row (its token again, at position 0 of a sequence of its own,
     // dropped right after), and no batch leaves a ubatch of one row. A plain step's scratch row is an output, as

@@ -13,11 +13,12 @@ VENV=${VENV:-.venv}
 # shellcheck source=/dev/null
 . "$VENV/bin/activate"
 
-# llama.cpp is built without llamafile's sgemm: it never computes a row alone, so with it the engine stays bit-exact
-# only by giving every target decode a second row, which costs a plain step of a K-quant model about 1.8x
-# (docs/lossless.md; CMAKE_ARGS=-DGGML_LLAMAFILE=ON builds it in, exact too); and with the RPC backend, for targets
-# spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in .wheels/.
-LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-}"
+# llama.cpp is built with llamafile's sgemm, kept by native/ggml/patch_ggml.py to the products it computes with the
+# same bits whatever the number of rows (float weights and the attention's f16 cache, q8_0/q5_0/q4_0 from two rows):
+# prompts about twice as fast, still exact (docs/lossless.md; CMAKE_ARGS=-DGGML_LLAMAFILE=OFF leaves it out); and with
+# the RPC backend, for targets spread over several machines (--rpc, dflash-local rpc-server). The wheel is kept in
+# .wheels/.
+LLAMA_CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_RPC=ON ${CMAKE_ARGS:-}"
 # the llamafile setting asked for: the last one given, as CMake takes it
 case $(printf '%s\n' $LLAMA_CMAKE_ARGS | sed -n 's/^-DGGML_LLAMAFILE=//p' | tail -n 1 | tr '[:lower:]' '[:upper:]') in
 ON | 1 | TRUE | YES) llamafile=1 ;;

@@ -65,3 +65,28 @@ def test_the_benchmark_mode_runs_and_agrees(check):
     rows = [line for line in r.stdout.splitlines() if "rows 16" in line]
     assert [line.split()[0] for line in rows] == TYPES
     assert all(" 0 of 65536 differ" in line for line in rows), r.stdout
+
+
+@pytest.fixture(scope="module")
+def check_matmul(tmp_path_factory) -> Path:
+    """native/ggml/check_matmul.c built against the installed llama.cpp (ggml's own matmul, whatever kernels it has)."""
+    if not (SITE / "include" / "ggml-cpu.h").is_file():
+        pytest.skip(f"no ggml headers in {SITE / 'include'}")
+    exe = tmp_path_factory.mktemp("matmul") / "check_matmul"
+    lib = SITE / "llama_cpp" / "lib"
+    cc = sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"
+    r = subprocess.run([cc, "-O2", "-I", str(SITE / "include"), str(ROOT / "native" / "ggml" / "check_matmul.c"),
+                        "-L", str(lib), "-lggml-cpu", "-lggml-base", "-lggml", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ggmls_matmul_gives_a_row_its_bits_whatever_the_batch(check_matmul, threads):
+    """The invariant exactness rests on, end to end through ggml's graph: products of 2..512 rows (prompt chunks,
+    verify blocks) give every row the bits of its product alone (a one-token decode), for float, q8_0-family and
+    K-quant weights and the attention's shape, whichever kernel ggml picks (setup.sh's sgemm, batch_dot, vec_dot).
+    Upstream's sgemm fails it: its f32, f16, bf16 and iq4_nl rows differ from the row alone."""
+    r = subprocess.run([str(check_matmul), str(threads)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr

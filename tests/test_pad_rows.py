@@ -1,12 +1,14 @@
-"""Two rows at least in every target decode (Session::pad in native/session.h). llamafile's sgemm, in llama.cpp's
-default build, computes each row of a batch with the same bits whatever the batch size, but ggml never gives it a row
-alone: a one-token decode goes to vec_dot, which rounds differently. So where the build has sgemm, a one-token decode
-carries a scratch row, no batch leaves a ubatch of one row, and the LM head on demand computes its rows by vec_dot.
+"""Two rows at least in every target decode (Session::pad in native/session.h). llamafile's sgemm, as upstream builds
+it, computes each row of a batch with the same bits whatever the batch size, but ggml never gives it a row alone: a
+one-token decode goes to vec_dot, which rounds differently. So where the build has upstream's sgemm, a one-token
+decode carries a scratch row, no batch leaves a ubatch of one row, and the LM head on demand computes its rows by
+vec_dot.
 
-Where the build has no sgemm (the default setup), DFLASH_PAD_ROWS=1 switches the same mechanism on: every kernel is
-then exact anyway, so these tests check the mechanism (the scratch row dropped after each decode, so that the context
-still fills to its last cell; the caller's features and logits; ubatch edges). With a llamafile build they check
-exactness itself, and that without the padding it fails. Recurrent targets are not padded (see native/session.h)."""
+Where it has not (the default setup: sgemm kept to batch-invariant products, native/ggml/patch_ggml.py),
+DFLASH_PAD_ROWS=1 switches the same mechanism on: every kernel is then exact anyway, so these tests check the mechanism
+(the scratch row dropped after each decode, so that the context still fills to its last cell; the caller's features
+and logits; ubatch edges). With upstream's llamafile build they check exactness itself, and that without the padding it
+fails. Recurrent targets are not padded (see native/session.h)."""
 
 import os
 
@@ -20,7 +22,7 @@ from scripted import ScriptedDrafter
 from dflash_local import Engine, _native
 from dflash_local.engine.placement import Placement
 
-SGEMM = _native.sgemm_built_in()
+SGEMM = _native.sgemm_skips_one_row()  # upstream's sgemm: a row alone goes to vec_dot
 
 
 def padded(*args, pad="1", **kw) -> Engine:
@@ -42,7 +44,8 @@ def gemma_padded(gemma_target, gemma_drafter):
 
 
 def test_a_session_pads_where_the_build_has_sgemm(tiny_target):
-    """Auto: on for a CPU target exactly where llama.cpp has sgemm; off with one-row ubatches, which are exact."""
+    """Auto: on for a CPU target exactly where llama.cpp has upstream's sgemm; off with one-row ubatches, which are
+    exact."""
     assert Engine(tiny_target, n_ctx=256).session.pads_rows == SGEMM
     assert padded(tiny_target, n_ctx=256).session.pads_rows
     assert not padded(tiny_target, n_ctx=256, pad="0").session.pads_rows
@@ -121,7 +124,7 @@ def test_a_plain_step_and_a_verify_block_give_the_same_bits(gemma_padded):
         np.testing.assert_array_equal(first_row_logits(gemma_padded, "The history of the printing press", n), plain)
 
 
-@pytest.mark.skipif(not SGEMM, reason="this llama.cpp is built without llamafile's sgemm (GGML_LLAMAFILE=OFF)")
+@pytest.mark.skipif(not SGEMM, reason="this llama.cpp has no sgemm, or setup.sh's batch-invariant one")
 def test_without_the_padding_sgemm_breaks_exactness(gemma_target, gemma_drafter):
     """The test above can fail: unpadded, some verify blocks round differently from one-token decodes."""
     engine = padded(gemma_target, gemma_drafter, n_ctx=2048, draft_policy="fixed", pad="0")

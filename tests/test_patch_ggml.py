@@ -1,6 +1,7 @@
 """native/ggml/patch_ggml.py, which scripts/setup.sh runs on the llama-cpp-python 0.3.36 sdist before building it:
-the real ggml-cpu sources of that sdist get batch_dot.c in their matmul and their build, and a tree it was not
-written for (an anchor changed) or one patched already is refused with one line, nothing written."""
+the real ggml-cpu sources of that sdist get batch_dot.c in their matmul and their build and llamafile's sgemm takes a
+row alone, and a tree it was not written for (an anchor changed) or one patched already is refused with one line,
+nothing written."""
 
 import os
 import shutil
@@ -14,16 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "native" / "ggml" / "patch_ggml.py"
 CPU = "vendor/llama.cpp/ggml/src/ggml-cpu"
-FILES = ("ggml-cpu.c", "CMakeLists.txt")
+FILES = ("ggml-cpu.c", "CMakeLists.txt", "llamafile/sgemm.cpp")
 
 
 @pytest.fixture
 def sdist(tmp_path, request) -> Path:
-    """An sdist-shaped tree holding the two files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
+    """An sdist-shaped tree holding the three files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
     source tree given in $DFLASH_LLAMA_CPP_SRC, or the sdist itself."""
     root = tmp_path / "llama_cpp_python-0.3.36"
     cpu = root / CPU
-    cpu.mkdir(parents=True)
+    (cpu / "llamafile").mkdir(parents=True)
     given = Path(os.environ.get("DFLASH_LLAMA_CPP_SRC", "/nonexistent")) / "ggml" / "src" / "ggml-cpu"
     if (given / "ggml-cpu.c").is_file():
         for name in FILES:
@@ -42,7 +43,7 @@ def patch(root: Path) -> subprocess.CompletedProcess:
 
 def contents(root: Path) -> dict[str, str]:
     cpu = root / CPU
-    return {p.name: p.read_text() for p in sorted(cpu.iterdir())}
+    return {str(p.relative_to(cpu)): p.read_text() for p in sorted(cpu.rglob("*")) if p.is_file()}
 
 
 def test_the_sdists_matmul_calls_the_kernels_and_builds_them(sdist):
@@ -59,6 +60,23 @@ def test_the_sdists_matmul_calls_the_kernels_and_builds_them(sdist):
     assert "ggml-cpu/batch_dot.c" in (sdist / CPU / "CMakeLists.txt").read_text()
     for name in ("batch_dot.c", "batch_dot.h"):
         assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
+
+
+def test_sgemm_keeps_to_batch_invariant_products_and_says_so(sdist):
+    before = (sdist / CPU / "llamafile" / "sgemm.cpp").read_text()
+    assert "if (n < 2)\n        return false;" in before
+    assert patch(sdist).returncode == 0
+    g = (sdist / CPU / "llamafile" / "sgemm.cpp").read_text()
+    body = g[g.index("bool llamafile_sgemm(const struct ggml_compute_params"):]
+    # upstream's guard (a row alone to vec_dot, whatever the type) gives way to ours, before any kernel is chosen
+    guard = body[: body.index("switch (Atype)")]
+    assert "#if !defined(__MMA__)" not in guard
+    assert "n < 2 && Atype != GGML_TYPE_F32 && Atype != GGML_TYPE_F16 && Atype != GGML_TYPE_BF16" in guard
+    assert "if (Atype == GGML_TYPE_IQ4_NL)" in guard
+    assert len(g.splitlines()) == len(before.splitlines()) - 5 + 9 + 3
+    # the symbol dflash-local's sessions look for (native/common.cpp), defined once, before llamafile_sgemm
+    assert g.count('extern "C" bool dflash_sgemm_batch_invariant(void) { return true; }') == 1
+    assert g.index("dflash_sgemm_batch_invariant") < g.index("bool llamafile_sgemm(const struct ggml_compute_params")
 
 
 def test_a_tree_patched_already_is_refused(sdist):

@@ -23,7 +23,7 @@ SETUP = ROOT / "scripts" / "setup.sh"
 CPU_A = "sse sse2 ssse3 fma avx avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_int8"
 CPU_B = "sse sse2 ssse3 fma avx avx2 sha_ni"
 WHEEL = "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
-SYSTEM_INFO = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | OPENMP = 1 | REPACK = 1 | "
+SYSTEM_INFO = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -182,16 +182,16 @@ def test_no_recorded_flags_rebuilds_once(project):
 
 
 def test_the_old_checks_still_apply(project):
-    """Flags that match keep llama.cpp only if it is also built with llamafile as asked (off unless CMAKE_ARGS turns
-    it on) and with RPC, as before."""
+    """Flags that match keep llama.cpp only if it is also built with llamafile as asked (on unless CMAKE_ARGS turns
+    it off) and with RPC, as before."""
     wheels = built(project, CPU_A)
     init = next((project / ".venv" / "lib").glob("python*/site-packages/llama_cpp/__init__.py"))
-    init.write_text(init.read_text().replace("REPACK = 1", "LLAMAFILE = 1"))
+    init.write_text(init.read_text().replace("LLAMAFILE = 1 | ", ""))
     assert plan(project, CPU_A) == ("", f"plan: install wheel {wheels.relative_to(project)}/{WHEEL}")
-    # a venv records the wheel folder (CMake arguments, kernels) it was installed from: say it was llamafile's
-    said, line = plan(project, CPU_A, "-DGGML_LLAMAFILE=ON")
+    # a venv records the wheel folder (CMake arguments, kernels) it was installed from: say it was built without
+    said, line = plan(project, CPU_A, "-DGGML_LLAMAFILE=OFF")
     assert said == "llama.cpp in .venv was built with other CMake arguments or kernels: replacing it"
     (project / ".venv" / "llama-cpp-wheel").write_text(line.rsplit(" ", 1)[1] + "\n")
-    assert plan(project, CPU_A, "-DGGML_LLAMAFILE=ON") == ("", "plan: reuse llama.cpp installed in .venv")
-    last_off = plan(project, CPU_A, "-DGGML_LLAMAFILE=on -DGGML_LLAMAFILE=OFF")  # the last one counts
-    assert last_off[1] != "plan: reuse llama.cpp installed in .venv"
+    assert plan(project, CPU_A, "-DGGML_LLAMAFILE=OFF") == ("", "plan: reuse llama.cpp installed in .venv")
+    last_on = plan(project, CPU_A, "-DGGML_LLAMAFILE=off -DGGML_LLAMAFILE=ON")  # the last one counts
+    assert last_on[1] != "plan: reuse llama.cpp installed in .venv"

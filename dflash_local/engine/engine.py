@@ -289,8 +289,9 @@ class Engine:
             and not placement.repack
             and placement.n_gpu_layers == 0
             and _native.cpu_matmul_batch_invariant()
-            # with llamafile's sgemm only padded decodes are exact, and recurrent targets are not padded
-            and (not _native.sgemm_built_in() or self.session.pads_rows)
+            # with upstream's sgemm (a row alone goes to vec_dot) only padded decodes are exact, and recurrent
+            # targets are not padded
+            and (not _native.sgemm_skips_one_row() or self.session.pads_rows)
         )
         self.draft_policy = draft_policy
         self.spec_sampling = spec_sampling

@@ -1,6 +1,7 @@
 """Add batch_dot.c to the llama.cpp vendored in an unpacked llama-cpp-python sdist (scripts/setup.sh runs this before
 building the wheel): the file goes into ggml-cpu's sources, and ggml's matmul hands it each tile of two rows or more
-before calling vec_dot per element. Every anchor must match this llama.cpp exactly; anything else is an error, so a
+before calling vec_dot per element; llamafile's sgemm (where the build has it) takes only products whose bits do not
+depend on the number of rows. Every anchor must match this llama.cpp exactly; anything else is an error, so a
 changed llama.cpp is never patched half-way.
 
     python native/ggml/patch_ggml.py SDIST_DIR
@@ -35,6 +36,33 @@ CHUNK_CALL = """    float tmp[32];
         for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += blck_0) {
 """
 INCLUDE_ANCHOR = '#include "tiled/tiled.h"\n'
+
+# llamafile_sgemm (a GGML_LLAMAFILE build) serves only products it gives the same bits whatever the number of rows
+# (native/ggml/README.md, checked by check_matmul.c): on x86, float weights (the attention's f16 cache among them) for
+# every row count, one included, and q8_0, q5_0 and q4_0 from two rows (their one-row vec_dot has sgemm's bits and is
+# faster for a row alone); iq4_nl never (its vec_dot sums two blocks at a time), nor anything elsewhere. The marker tells
+# dflash-local's sessions that no decode needs a second row (Session::pad)
+SGEMM_ANCHOR = """    // only enable sgemm for prompt processing
+#if !defined(__MMA__)
+    if (n < 2)
+        return false;
+#endif
+"""
+SGEMM_NEW = """    // dflash-local: only products whose bits do not depend on the number of rows (native/ggml/patch_ggml.py)
+#if defined(__AVX2__)
+    if (n < 2 && Atype != GGML_TYPE_F32 && Atype != GGML_TYPE_F16 && Atype != GGML_TYPE_BF16)
+        return false;
+    if (Atype == GGML_TYPE_IQ4_NL)
+        return false;
+#else
+    return false;
+#endif
+"""
+SGEMM_DEF_ANCHOR = "bool llamafile_sgemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,\n"
+SGEMM_MARKER = """// dflash-local: this sgemm gives a row the same bits whatever the number of rows (native/ggml/patch_ggml.py)
+extern "C" bool dflash_sgemm_batch_invariant(void) { return true; }
+
+"""
 SOURCES_ANCHOR = "        ggml-cpu/quants.c\n"
 
 
@@ -54,13 +82,17 @@ def main(sdist: Path) -> None:
         sys.exit(f"error: {cpu / 'ggml-cpu.c'} is patched already")
     c = replace_once(c, INCLUDE_ANCHOR, INCLUDE_ANCHOR + '#include "batch_dot.h"\n', cpu / "ggml-cpu.c")
     c = replace_once(c, CHUNK_ANCHOR, CHUNK_CALL, cpu / "ggml-cpu.c")
+    sgemm = cpu / "llamafile" / "sgemm.cpp"
+    g = replace_once(sgemm.read_text(), SGEMM_ANCHOR, SGEMM_NEW, sgemm)
+    g = replace_once(g, SGEMM_DEF_ANCHOR, SGEMM_MARKER + SGEMM_DEF_ANCHOR, sgemm)
     cmake = cpu / "CMakeLists.txt"
     m = replace_once(cmake.read_text(), SOURCES_ANCHOR, SOURCES_ANCHOR + "        ggml-cpu/batch_dot.c\n", cmake)
     for name in ("batch_dot.c", "batch_dot.h"):
         shutil.copyfile(HERE / name, cpu / name)
     (cpu / "ggml-cpu.c").write_text(c)
+    sgemm.write_text(g)
     cmake.write_text(m)
-    print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul")
+    print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products")
 
 
 if __name__ == "__main__":

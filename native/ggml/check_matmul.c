@@ -1,0 +1,79 @@
+// ggml's CPU matmul, batch invariance end to end: for each weight type, a product of k activation rows (k = 2 .. 512)
+// computed through ggml's own graph, with the threads a session uses, must give every row the bits of that row's
+// product alone, whichever kernel ggml picks for each (sgemm, batch_dot.c, vec_dot). Also the attention's shape: f16
+// weights shared by 4 heads' rows (grouped-query attention). Prints the rows that differ per type and count; exit
+// status 1 where any does. Built and run by tests/test_batch_dot.py against the installed llama.cpp:
+//   cc -O2 -I SITE/include check_matmul.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+static int n_threads = 2;
+
+// dst [m, n, heads] = W [k, m] x X [k, n, heads], by ggml's graph on the CPU
+static void matmul(enum ggml_type type, const char * w, int k, int m, const float * x, int n, int heads, float * dst) {
+    struct ggml_init_params ip = {(size_t) 64 * 1024 * 1024 + ggml_row_size(type, k) * m + sizeof(float) * (size_t) k * n * heads * 2 +
+                                      sizeof(float) * (size_t) m * n * heads, NULL, false};
+    struct ggml_context * ctx = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(ctx, type, k, m);
+    memcpy(W->data, w, ggml_nbytes(W));
+    struct ggml_tensor * X = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, n, heads);
+    memcpy(X->data, x, ggml_nbytes(X));
+    struct ggml_tensor * Y = ggml_mul_mat(ctx, W, X);
+    struct ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, Y);
+    if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) != GGML_STATUS_SUCCESS) {
+        fprintf(stderr, "compute failed\n");
+        exit(2);
+    }
+    memcpy(dst, Y->data, sizeof(float) * (size_t) m * n * heads);
+    ggml_free(ctx);
+}
+
+int main(int argc, char ** argv) {
+    if (argc > 1) n_threads = atoi(argv[1]);
+    setenv("GGML_CPU_TILED_MM", "0", 0);  // as dflash-local's sessions set it (native/bindings.cpp)
+    ggml_cpu_init();
+    const enum ggml_type types[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q5_0,
+                                    GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                                    GGML_TYPE_Q6_K};
+    const int counts[] = {2, 3, 4, 5, 8, 16, 17, 64, 512};
+    int bad = 0;
+    srand(1);
+    for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); ++t) {
+        const enum ggml_type type = types[t];
+        for (int heads = 1; heads <= 4; heads += 3) {
+            if (heads > 1 && type != GGML_TYPE_F16) continue;  // the attention's products: f16 cache x f32 rows
+            const int k = 768, m = 96, nmax = 512;
+            float * f = malloc(sizeof(float) * (size_t) k * m);
+            for (int i = 0; i < k * m; ++i) f[i] = ((rand() / (float) RAND_MAX) * 2 - 1) * (1 + (i / k) % 5);
+            char * w = malloc(ggml_row_size(type, k) * m);
+            ggml_quantize_chunk(type, f, w, 0, m, k, NULL);
+            float * x = malloc(sizeof(float) * (size_t) k * nmax * heads);
+            for (int i = 0; i < k * nmax * heads; ++i) x[i] = (rand() / (float) RAND_MAX) * 2 - 1 + (i % 7 == 0 ? 3 : 0);
+            float * one = malloc(sizeof(float) * m * heads), * all = malloc(sizeof(float) * (size_t) m * nmax * heads);
+            float * xr = malloc(sizeof(float) * k * heads);
+            for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); ++c) {
+                const int n = counts[c];
+                float * xb = malloc(sizeof(float) * (size_t) k * n * heads);
+                for (int h = 0; h < heads; ++h) memcpy(xb + (size_t) h * k * n, x + (size_t) h * k * nmax, sizeof(float) * k * n);
+                matmul(type, w, k, m, xb, n, heads, all);
+                int diff = 0;
+                for (int j = 0; j < n; ++j) {
+                    for (int h = 0; h < heads; ++h) memcpy(xr + h * k, x + (size_t) h * k * nmax + (size_t) j * k, sizeof(float) * k);
+                    matmul(type, w, k, m, xr, 1, heads, one);
+                    for (int h = 0; h < heads; ++h)
+                        diff += memcmp(one + h * m, all + (size_t) h * m * n + (size_t) j * m, sizeof(float) * m) != 0;
+                }
+                free(xb);
+                if (diff) printf("%s x%d heads, %d rows: %d of %d rows differ from the row alone\n", ggml_type_name(type), heads, n, diff, n * heads);
+                bad += diff;
+            }
+            free(f); free(w); free(x); free(one); free(all); free(xr);
+        }
+    }
+    printf("%s\n", bad ? "FAIL" : "all identical");
+    return bad != 0;
+}
