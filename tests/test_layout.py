@@ -133,6 +133,7 @@ INCLUDES = [
     ("ggml/batch_dot.h", set()),
     ("ggml/batch_dot.c", {"ggml/batch_dot.h"}),
     ("ggml/check_batch_dot.c", set()),
+    ("ggml/check_matmul.c", set()),
 ]
 INCLUDE_ROW = {name: i for i, (name, _) in enumerate(INCLUDES)}
 EXTERNAL = {"llama.h", "ggml.h", "ggml-backend.h", "ggml-cpu.h", "gguf.h"}
