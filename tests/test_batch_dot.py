@@ -30,19 +30,24 @@ KERNEL_FLAGS = {"avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512dq", "avx51
 HAS_KERNELS = KERNEL_FLAGS <= cpu_flags() and "avx_vnni_int8" not in cpu_flags()
 
 
-@pytest.fixture(scope="module")
-def check(tmp_path_factory) -> Path:
-    """native/ggml/check_batch_dot.c built against the installed llama.cpp (its dflash_batch_dot and vec_dot)."""
+def build_check(tmp_path_factory, source: str) -> Path:
+    """A checker in native/ggml/ built against the installed llama.cpp's headers and libraries."""
     if not (SITE / "include" / "ggml-cpu.h").is_file():
         pytest.skip(f"no ggml headers in {SITE / 'include'}")
-    exe = tmp_path_factory.mktemp("batch_dot") / "check"
+    exe = tmp_path_factory.mktemp("check") / Path(source).stem
     lib = SITE / "llama_cpp" / "lib"
     cc = sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"
-    r = subprocess.run([cc, "-O2", "-march=native", "-I", str(SITE / "include"),
-                        str(ROOT / "native" / "ggml" / "check_batch_dot.c"), "-L", str(lib), "-lggml-cpu",
-                        "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)], capture_output=True, text=True)
+    r = subprocess.run([cc, "-O2", "-march=native", "-I", str(SITE / "include"), str(ROOT / "native" / "ggml" / source),
+                        "-L", str(lib), "-lggml-cpu", "-lggml-base", "-lggml", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return exe
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> Path:
+    """native/ggml/check_batch_dot.c (the installed library's dflash_batch_dot and vec_dot)."""
+    return build_check(tmp_path_factory, "check_batch_dot.c")
 
 
 def test_every_element_of_every_tile_is_vec_dots(check):
@@ -69,17 +74,8 @@ def test_the_benchmark_mode_runs_and_agrees(check):
 
 @pytest.fixture(scope="module")
 def check_matmul(tmp_path_factory) -> Path:
-    """native/ggml/check_matmul.c built against the installed llama.cpp (ggml's own matmul, whatever kernels it has)."""
-    if not (SITE / "include" / "ggml-cpu.h").is_file():
-        pytest.skip(f"no ggml headers in {SITE / 'include'}")
-    exe = tmp_path_factory.mktemp("matmul") / "check_matmul"
-    lib = SITE / "llama_cpp" / "lib"
-    cc = sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"
-    r = subprocess.run([cc, "-O2", "-I", str(SITE / "include"), str(ROOT / "native" / "ggml" / "check_matmul.c"),
-                        "-L", str(lib), "-lggml-cpu", "-lggml-base", "-lggml", f"-Wl,-rpath,{lib}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return exe
+    """native/ggml/check_matmul.c (ggml's own matmul, whatever kernels it has)."""
+    return build_check(tmp_path_factory, "check_matmul.c")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

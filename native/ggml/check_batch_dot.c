@@ -2,7 +2,7 @@
 // each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
 // none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Built and run by
 // tests/test_batch_dot.py against the installed llama.cpp:
-//   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base
+//   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
 // (batch_dot.c is in libggml-cpu, built by scripts/setup.sh).
 #include <stdbool.h>
 #include <stdio.h>

@@ -3,7 +3,7 @@
 // product alone, whichever kernel ggml picks for each (sgemm, batch_dot.c, vec_dot). Also the attention's shape: f16
 // weights shared by 4 heads' rows (grouped-query attention). Prints the rows that differ per type and count; exit
 // status 1 where any does. Built and run by tests/test_batch_dot.py against the installed llama.cpp:
-//   cc -O2 -I SITE/include check_matmul.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
+//   cc -O2 -march=native -I SITE/include check_matmul.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,8 +14,8 @@ static int n_threads = 2;
 
 // dst [m, n, heads] = W [k, m] x X [k, n, heads], by ggml's graph on the CPU
 static void matmul(enum ggml_type type, const char * w, int k, int m, const float * x, int n, int heads, float * dst) {
-    struct ggml_init_params ip = {(size_t) 64 * 1024 * 1024 + ggml_row_size(type, k) * m + sizeof(float) * (size_t) k * n * heads * 2 +
-                                      sizeof(float) * (size_t) m * n * heads, NULL, false};
+    const size_t bytes = ggml_row_size(type, k) * m + sizeof(float) * (size_t) (k * 2 + m) * n * heads;
+    struct ggml_init_params ip = {(size_t) 64 * 1024 * 1024 + bytes, NULL, false};
     struct ggml_context * ctx = ggml_init(ip);
     struct ggml_tensor * W = ggml_new_tensor_2d(ctx, type, k, m);
     memcpy(W->data, w, ggml_nbytes(W));
@@ -52,23 +52,32 @@ int main(int argc, char ** argv) {
             char * w = malloc(ggml_row_size(type, k) * m);
             ggml_quantize_chunk(type, f, w, 0, m, k, NULL);
             float * x = malloc(sizeof(float) * (size_t) k * nmax * heads);
-            for (int i = 0; i < k * nmax * heads; ++i) x[i] = (rand() / (float) RAND_MAX) * 2 - 1 + (i % 7 == 0 ? 3 : 0);
+            for (int i = 0; i < k * nmax * heads; ++i) {
+                x[i] = (rand() / (float) RAND_MAX) * 2 - 1 + (i % 7 == 0 ? 3 : 0);
+            }
             float * one = malloc(sizeof(float) * m * heads), * all = malloc(sizeof(float) * (size_t) m * nmax * heads);
             float * xr = malloc(sizeof(float) * k * heads);
             for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); ++c) {
                 const int n = counts[c];
                 float * xb = malloc(sizeof(float) * (size_t) k * n * heads);
-                for (int h = 0; h < heads; ++h) memcpy(xb + (size_t) h * k * n, x + (size_t) h * k * nmax, sizeof(float) * k * n);
+                for (int h = 0; h < heads; ++h) {
+                    memcpy(xb + (size_t) h * k * n, x + (size_t) h * k * nmax, sizeof(float) * k * n);
+                }
                 matmul(type, w, k, m, xb, n, heads, all);
                 int diff = 0;
                 for (int j = 0; j < n; ++j) {
-                    for (int h = 0; h < heads; ++h) memcpy(xr + h * k, x + (size_t) h * k * nmax + (size_t) j * k, sizeof(float) * k);
+                    for (int h = 0; h < heads; ++h) {
+                        memcpy(xr + h * k, x + (size_t) h * k * nmax + (size_t) j * k, sizeof(float) * k);
+                    }
                     matmul(type, w, k, m, xr, 1, heads, one);
                     for (int h = 0; h < heads; ++h)
                         diff += memcmp(one + h * m, all + (size_t) h * m * n + (size_t) j * m, sizeof(float) * m) != 0;
                 }
                 free(xb);
-                if (diff) printf("%s x%d heads, %d rows: %d of %d rows differ from the row alone\n", ggml_type_name(type), heads, n, diff, n * heads);
+                if (diff) {
+                    printf("%s x%d heads, %d rows: %d of %d rows differ from the row alone\n", ggml_type_name(type),
+                           heads, n, diff, n * heads);
+                }
                 bad += diff;
             }
             free(f); free(w); free(x); free(one); free(all); free(xr);

@@ -40,15 +40,15 @@ INCLUDE_ANCHOR = '#include "tiled/tiled.h"\n'
 # llamafile_sgemm (a GGML_LLAMAFILE build) serves only products it gives the same bits whatever the number of rows
 # (native/ggml/README.md, checked by check_matmul.c): on x86, float weights (the attention's f16 cache among them) for
 # every row count, one included, and q8_0, q5_0 and q4_0 from two rows (their one-row vec_dot has sgemm's bits and is
-# faster for a row alone); iq4_nl never (its vec_dot sums two blocks at a time), nor anything elsewhere. The marker tells
-# dflash-local's sessions that no decode needs a second row (Session::pad)
+# faster for a row alone); iq4_nl never (its vec_dot sums two blocks at a time), nor anything elsewhere. The marker
+# tells dflash-local's sessions that no decode needs a second row (Session::pad)
 SGEMM_ANCHOR = """    // only enable sgemm for prompt processing
 #if !defined(__MMA__)
     if (n < 2)
         return false;
 #endif
 """
-SGEMM_NEW = """    // dflash-local: only products whose bits do not depend on the number of rows (native/ggml/patch_ggml.py)
+SGEMM_NEW = """    // dflash-local: only products whose bits do not depend on the number of rows (see patch_ggml.py)
 #if defined(__AVX2__)
     if (n < 2 && Atype != GGML_TYPE_F32 && Atype != GGML_TYPE_F16 && Atype != GGML_TYPE_BF16)
         return false;
@@ -59,7 +59,7 @@ SGEMM_NEW = """    // dflash-local: only products whose bits do not depend on th
 #endif
 """
 SGEMM_DEF_ANCHOR = "bool llamafile_sgemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,\n"
-SGEMM_MARKER = """// dflash-local: this sgemm gives a row the same bits whatever the number of rows (native/ggml/patch_ggml.py)
+SGEMM_MARKER = """// dflash-local: this sgemm gives a row the same bits whatever the number of rows (see patch_ggml.py)
 extern "C" bool dflash_sgemm_batch_invariant(void) { return true; }
 
 """
