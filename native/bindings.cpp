@@ -50,7 +50,7 @@ PYBIND11_MODULE(_native, m) {
     }, "Whether CPU matmuls give a verify-batch row the same bits as a single-token decode.");
     m.def("sgemm_built_in", &sgemm_built_in, "Whether this llama.cpp has llamafile's sgemm (GGML_LLAMAFILE).");
     m.def("sgemm_skips_one_row", &sgemm_skips_one_row,
-          "Whether its sgemm leaves a row alone to vec_dot, as upstream's does (setup.sh's gives sgemm every row).");
+          "Whether its sgemm leaves a row alone to vec_dot, as upstream's does (setup.sh's keeps it invariant).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("supports_rpc", []() { return llama_supports_rpc(); });
     m.def("add_rpc_server", &add_rpc_server, py::arg("endpoint"),

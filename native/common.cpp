@@ -131,7 +131,8 @@ bool sgemm_built_in() {
 }
 
 // Whether ggml leaves a product's row alone to vec_dot, which rounds differently from sgemm's rows: llamafile's sgemm
-// as upstream builds it. setup.sh's build gives sgemm every row (native/ggml/patch_ggml.py), and says so by a symbol.
+// as upstream builds it. setup.sh's build keeps sgemm to products whose bits do not depend on the number of rows
+// (native/ggml/patch_ggml.py), and says so by a symbol.
 bool sgemm_skips_one_row() {
 #if defined(__APPLE__)
     return sgemm_built_in() && dlsym(RTLD_DEFAULT, "dflash_sgemm_batch_invariant") == nullptr;

@@ -106,7 +106,7 @@ void Session::check_arguments(const ContextOptions & o) {
 }
 
 void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
-    // DFLASH_PAD_ROWS=1 or 0 forces it either way (tests of the mechanism where the build has no sgemm)
+    // DFLASH_PAD_ROWS=1 or 0 forces it either way (tests of the mechanism where the build needs no padding)
     const char * force = std::getenv("DFLASH_PAD_ROWS");
     pad = force ? std::strcmp(force, "1") == 0 : sgemm_skips_one_row() && tgt.params.n_gpu_layers == 0;
     pad = pad && o.n_batch >= 2 && o.n_ubatch >= 2;  // one-row ubatches: every row by vec_dot, exact as it is
