@@ -256,6 +256,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_rs_seq", &Session::snapshots)
         .def_property_readonly("checkpoint_pos", [](const Session & ss) { return ss.checkpoint_pos(0); })
         .def("checkpoint_at", &Session::checkpoint_pos, py::arg("slot"))
+        .def("reuse_floor", &Session::reuse_floor, py::arg("slot") = 0)
         .def_property_readonly("n_pending", [](const Session & ss) { return ss.pending_rows(0); })
         .def("pending", &Session::pending_rows, py::arg("slot"),
              "Positions of one slot whose features wait to go into the drafter (n_pending: slot 0's).")

@@ -127,6 +127,9 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     cp.n_rs_seq = recurrent ? (uint32_t) n_rs_seq : 0;
     cp.n_seq_max = (uint32_t) (o.n_seq + pad);
     cp.kv_unified = unified;
+    // llama.cpp's window cache (swa_full off) with our cell per position, where a stream holds one sequence
+    cp.swa_full = unified && cp.n_seq_max > 1;
+    n_swa = cp.swa_full ? 0 : std::max(0, llama_model_n_swa(tgt.model));
     // A GPU build offloads large batches (the prompt) of a CPU-resident model to the GPU, whose kernels round
     // differently from the CPU's: on an H100 this broke bit-exact verification at -ngl 0. A target kept on the
     // CPU computes on the CPU.
@@ -199,9 +202,8 @@ llama_context_params Session::context_params(const ContextOptions & o, int n_ctx
     cp.no_perf         = true;
     // the CPU flash-attention kernel rounds through f16, and differently for one query than for a block
     cp.flash_attn_type = (llama_flash_attn_type) o.flash_attn;
-    // Rollback relies on it (gemma3 and SWA drafters): a sliding-window cache of only the window (swa_full off)
-    // evicts the positions that fell out of the window of a verify batch's last token, and after rejected
-    // tokens are dropped the next token's window needs some of them again. (llama.cpp's default, pinned.)
+    // A sliding-window drafter keeps every position (llama.cpp's default): its non-causal noise blocks reach past
+    // the target's positions. The target's cache is set in create_contexts.
     cp.swa_full        = true;
     return cp;
 }
@@ -258,11 +260,26 @@ void Session::truncate(int n, int slot) {
                                     std::to_string(sl.prompt_ckpt_pos) + " (its checkpoint), not " +
                                     std::to_string(n));
     }
+    if (n != 0 && n != sl.past && n < reuse_floor(slot)) {
+        throw std::invalid_argument("the sliding-window cache holds a full window from position " +
+                                    std::to_string(reuse_floor(slot)) + " on, not at " + std::to_string(n));
+    }
     LogScope log(verbose);
     if (!keep(n, slot)) {
         fail("the KV cache could not drop the positions from " + std::to_string(n) +
              " on; both caches were emptied");
     }
+}
+
+// The shortest prefix other than none that truncate can keep: where the window cache still holds the n_swa - 1
+// positions before it. (The oldest cells are overwritten once a sequence is longer than the cache.)
+int Session::reuse_floor(int slot) const {
+    const Slot & sl = at(slot);
+    if (n_swa == 0 || sl.past == 0) {
+        return 0;
+    }
+    const llama_pos lo = llama_memory_seq_pos_min(llama_get_memory(ctx_tgt), slot);
+    return lo <= 0 ? 0 : std::min(sl.past, (int) lo + n_swa - 1);
 }
 
 // Make both caches hold the positions [0, n) only of the slot's sequence. If llama.cpp refuses to drop part of it,

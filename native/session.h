@@ -124,6 +124,7 @@ public:
     int snapshots() const { return n_rs; }
     int pending_rows(int slot = 0) const { return at(slot).n_pending; }
     int checkpoint_pos(int slot = 0) const { return at(slot).prompt_ckpt_pos; }
+    int reuse_floor(int slot = 0) const;
     bool pads_rows() const { return pad; }
 
     // With capture off the slot runs as plain decoding (the baseline): no features, no drafter updates.
@@ -257,6 +258,11 @@ private:
     // than that restores a checkpoint taken before the verify batch and decodes the accepted tokens again.
     bool recurrent = false;
     int n_rs = 0;
+
+    // Sliding-window layers keep only their window (n_swa + n_ubatch cells a sequence, position p in cell p mod
+    // size: native/llama/patch_llama.py), unless the cache is shared by several sequences. A prompt cache can then
+    // go back only as far as the cells still hold a full window (reuse_floor).
+    int n_swa = 0;                     // the window, where the target's sliding-window layers keep only theirs
     bool collecting = false;           // the eval callback copies features only during decode_target
 
     std::vector<float> feats;     // [feat_rows, layers.size() * n_embd] from the last target decode

@@ -27,14 +27,17 @@ class PromptCache:
     def reusable(self, ids: list[int], drafter=None, session=None) -> int:
         """How many leading tokens of the prompt `ids` can stay: the prefix shared with the cache, less at least one
         prompt token, whose logits give the first generated token; when drafting, only positions the drafters hold
-        features of. A recurrent target's state exists only at the end of the cache and at its checkpoint."""
+        features of. A recurrent target's state exists only at the end of the cache and at its checkpoint; a
+        sliding-window cache holds a full window only from its reuse floor on."""
         n = min(self.shared(ids), len(ids) - 1)
         if drafter is not None:
             n = min(n, self.n_captured, drafter.context())
-        if session is not None and session.recurrent and n != session.past(self.slot):
+        if session is None or n == session.past(self.slot):
+            return n
+        if session.recurrent:
             ckpt = session.checkpoint_at(self.slot)
             n = ckpt if 0 < ckpt <= n else 0
-        return n
+        return n if n >= session.reuse_floor(self.slot) else 0
 
     def truncate(self, session, n: int) -> None:
         session.truncate(n, self.slot)

@@ -1,0 +1,94 @@
+"""Sliding-window layers keep only their window (issue #37), still bit-exact.
+
+llama.cpp's window cache holds n_swa + n_ubatch cells a sequence instead of the whole context, and our patch to it
+(native/llama/patch_llama.py) puts position p in cell p mod size, so that attention sums a window's cells in the
+same order whatever came before. Here a tiny gemma4 (a window of 8 tokens) with 16-token ubatches has 256 window
+cells: generations of several hundred tokens wrap around them many times, across rejected drafts, warm prompt caches
+and parallel slots, and every output must equal plain decoding and a fresh engine's."""
+
+import pytest
+from fixtures import write_tiny_drafter, write_tiny_gemma4
+from rollback import scripted_run
+from test_slots import interleave
+
+from dflash_local import Engine
+from dflash_local.engine.placement import Placement
+
+CELLS = 256  # llama.cpp's window cache: n_swa + n_ubatch = 8 + 16, in whole 256-cell pages
+PROMPT = "def total(values):\n    result = 0\n"
+
+
+@pytest.fixture(scope="module")
+def gemma4(models_dir):
+    return write_tiny_gemma4(models_dir / "window-gemma4.gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma4_drafter(models_dir, gemma4):
+    return write_tiny_drafter(models_dir / "window-gemma4-drafter.gguf", gemma4, target_layers=(1, 4, 5), block_size=8)
+
+
+def engine(target, drafter=None, n_ctx=2048, **kw):
+    return Engine(target, drafter, n_ctx=n_ctx, draft_policy="fixed",
+                  placement=Placement(n_threads=2, n_batch=64, n_ubatch=16), **kw)
+
+
+def kv_bytes(e: Engine) -> int:
+    return sum(ctx for _, _, ctx, _ in e.session.memory("target"))
+
+
+def answer(e: Engine, prompt, **kw):
+    """Tokens, logprobs and top 3 of a 40-token answer: every bit a kernel could change."""
+    f = e.complete(prompt, max_tokens=40, logprobs=3, **kw)
+    return (f.token_ids, [(lp.token, lp.logprob, list(lp.top)) for lp in f.logprobs]), f.summary.n_cached
+
+
+def test_the_sliding_layers_hold_their_window_not_the_context(gemma4):
+    """Four times the context: only the full-attention layers' cache grows (with every position in the sliding
+    layers' too it would be four times the size)."""
+    small, large = kv_bytes(engine(gemma4, n_ctx=1024)), kv_bytes(engine(gemma4, n_ctx=4096))
+    assert small < large < 2.5 * small
+
+
+def test_drafting_equals_plain_decoding_across_many_wraps(gemma4, gemma4_drafter):
+    e = engine(gemma4, gemma4_drafter)
+    base, done, steps = scripted_run(e, PROMPT, 900, seed=5)  # every acceptance length, 3.5 times round the cells
+    assert done.token_ids == base.token_ids
+    assert sum(1 for s in steps if s.rollback) > 100
+    assert e.session.reuse_floor() > CELLS  # the oldest positions are gone
+    spec, plain = e.complete(PROMPT * 12, max_tokens=300), e.complete(PROMPT * 12, max_tokens=300, draft=False)
+    assert spec.summary.n_drafted > 0 and spec.summary.n_rollbacks > 0
+    assert spec.token_ids == plain.token_ids
+
+
+def test_a_warm_cache_gives_a_fresh_engines_bits_past_the_window(gemma4, gemma4_drafter):
+    e = engine(gemma4, gemma4_drafter)
+    ids = e.prompt_tokens(PROMPT * 6)
+    follow = ids + e.complete(ids, max_tokens=400).token_ids + e.prompt_tokens("What does it return?")
+    warm, n_cached = answer(e, follow)
+    assert n_cached > CELLS + 100  # reused past many overwritten cells, decoded positions included
+    assert warm == answer(engine(gemma4, gemma4_drafter), follow)[0]
+    # a prompt that shares less than the cells still hold: the window before it is gone, so it starts afresh
+    short = ids[:100]
+    redo, n_cached = answer(e, short)
+    assert n_cached == 0 and redo == answer(engine(gemma4, gemma4_drafter), short)[0]
+
+
+def test_truncating_below_the_window_held_is_refused(gemma4):
+    e = engine(gemma4)
+    e.complete(PROMPT, max_tokens=500, draft=False)
+    s, floor = e.session, e.session.reuse_floor()
+    assert CELLS < floor < s.past(0)
+    with pytest.raises(ValueError, match="sliding-window cache holds a full window from position"):
+        s.truncate(floor - 1)
+    s.truncate(floor)  # the last position it can keep, and none
+    s.truncate(0)
+    e.cache.clear()
+
+
+def test_parallel_slots_each_keep_their_own_window(gemma4, gemma4_drafter):
+    jobs = {0: dict(prompt=PROMPT, max_tokens=400), 1: dict(prompt="The quick brown fox", max_tokens=350),
+            2: dict(prompt=PROMPT * 3, max_tokens=300, temperature=0.9, seed=3)}
+    together = interleave(engine(gemma4, gemma4_drafter, n_slots=3), jobs)
+    for slot, kw in jobs.items():
+        assert together[slot][0].token_ids == engine(gemma4, gemma4_drafter).complete(**kw).token_ids, slot
