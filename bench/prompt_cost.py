@@ -4,8 +4,8 @@ chunk's tok/s, then the median time of a batch of k rows (every row an output) a
 
     python bench/prompt_cost.py [MODEL.gguf] [--depths 64,4096] [--swa-full 1] [-t 2]
 
---swa-full 0 gives sliding-window layers a cache of their window only (llama-server's default); dflash-local's
-sessions keep the whole context there (1), which rollback needs, and attend over all of it.
+--swa-full 0 gives sliding-window layers a cache of their window only, as llama-server and dflash-local's sessions
+have it; 1 keeps the whole context there (the sessions before their window cache), and they attend over all of it.
 """
 
 import argparse
@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a GGUF (default: the default target)")
     ap.add_argument("--depths", default="64,4096", help="context depths, comma-separated")
-    ap.add_argument("--swa-full", type=int, default=1, choices=(0, 1))
+    ap.add_argument("--swa-full", type=int, default=0, choices=(0, 1))
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
