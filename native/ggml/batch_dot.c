@@ -9,8 +9,11 @@
 // are vec_dot's: a batch of any size gives every row what a one-row decode gives it, and speculative decoding stays
 // token-identical to plain decoding.
 //
-// Only where vec_dot itself takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's) is the tile
-// computed here; elsewhere dflash_batch_dot returns false and ggml calls vec_dot as before.
+// Where vec_dot takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's), every type here is computed
+// in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most desktops: AMD Zen 2 and 3, Intel's
+// client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a 256-bit activation row at a time, the
+// weight's super-block unpacked once for all of them (q8_0 and q5_0 go to llamafile's sgemm there, README.md).
+// Elsewhere dflash_batch_dot returns false and ggml calls vec_dot as before.
 
 #include "batch_dot.h"
 
@@ -18,13 +21,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(__AVXVNNIINT8__)
-#define DFLASH_BATCH_DOT 1
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define DFLASH_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && !defined(__AVXVNNIINT8__)
+#define DFLASH_BATCH_DOT 1
+#endif
 #endif
 
-#ifdef DFLASH_BATCH_DOT
+#ifdef DFLASH_AVX2
 
 // ggml's block layouts (ggml-common.h)
 typedef struct { uint16_t d; int8_t qs[32]; } q8_0_block;
@@ -50,6 +56,44 @@ static inline float hsum8(__m256 x) {
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
     return _mm_cvtss_f32(r);
 }
+
+// The 6-bit scales (0..7) and mins (8..15) of a q4_K super-block's 8 sub-blocks, unpacked as vec_dot does.
+static inline void q4_K_scales(const q4_K_block * x, uint32_t u[4]) {
+    memcpy(u, x->scales, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t u1 = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = u1;
+    u[0] &= 0x3f3f3f3f;
+}
+
+// q6_K's 6-bit quants of a super-block, unsigned (0..63; vec_dot takes the 32 off through the bsums), in 8 chunks of
+// 32: chunk c pairs with the activation's quants 32c..32c + 31.
+static inline void q6_K_quants(const q6_K_block * x, __m256i q[8]) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 2; ++j) {
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x->ql + 64 * j));
+        const __m256i l2 = _mm256_loadu_si256((const __m256i *) (x->ql + 64 * j + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *) (x->qh + 32 * j));
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2);
+        const __m256i h2 = _mm256_and_si256(hb, _mm256_set1_epi8(48));
+        const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char) 0xC0)), 2);
+        q[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(l1, m15), h0);
+        q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(l2, m15), h1);
+        q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), h2);
+        q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), h3);
+    }
+}
+
+// Chunk c's scales as 16-bit lanes: its first 16 quants take scale 2c, the next 16 scale 2c + 1.
+static inline __m256i q6_K_chunk_scales(const q6_K_block * x, int c) {
+    return _mm256_set_m128i(_mm_set1_epi16(x->scales[2 * c + 1]), _mm_set1_epi16(x->scales[2 * c]));
+}
+
+#endif  // DFLASH_AVX2
+
+#ifdef DFLASH_BATCH_DOT
 
 // Two activation rows' 32 bytes side by side.
 static inline __m512i pair(const void * a, const void * b) {
@@ -278,14 +322,8 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
             acc_m[p] = _mm256_setzero_ps();
         }
         for (int b = 0; b < nb; ++b) {
-            // the 6-bit scales and mins of the 8 sub-blocks (q4_K's packing)
             uint32_t u[4];
-            memcpy(u, x[b].scales, 12);
-            u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-            const uint32_t u1 = u[1] & 0x3f3f3f3f;
-            u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-            u[2] = u1;
-            u[0] &= 0x3f3f3f3f;
+            q4_K_scales(&x[b], u);
             const uint8_t * sc = (const uint8_t *) u;  // scales 0..7, then mins 0..7
             const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
             const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
@@ -338,7 +376,6 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
         return false;
     }
     const int np = (ny + 1) / 2;
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int i = 0; i < nw; ++i) {
         const q6_K_block * x = (const q6_K_block *) (w + i * w_stride);
         __m512 acc[MAX_ROWS / 2];
@@ -346,25 +383,12 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
             acc[p] = _mm512_setzero_ps();
         }
         for (int b = 0; b < nb; ++b) {
-            // the 6-bit quants, unsigned (0..63; vec_dot takes the 32 off through the bsums), 4 chunks of 32 per half
+            __m256i q256[8];
+            q6_K_quants(&x[b], q256);
             __m512i q[8], s[8];
-            for (int j = 0; j < 2; ++j) {
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x[b].ql + 64 * j));
-                const __m256i l2 = _mm256_loadu_si256((const __m256i *) (x[b].ql + 64 * j + 32));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[b].qh + 32 * j));
-                const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
-                const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2);
-                const __m256i h2 = _mm256_and_si256(hb, _mm256_set1_epi8(48));
-                const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char) 0xC0)), 2);
-                q[4 * j + 0] = bcast256(_mm256_or_si256(_mm256_and_si256(l1, m15), h0));
-                q[4 * j + 1] = bcast256(_mm256_or_si256(_mm256_and_si256(l2, m15), h1));
-                q[4 * j + 2] = bcast256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), h2));
-                q[4 * j + 3] = bcast256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), h3));
-            }
-            for (int c = 0; c < 8; ++c) {  // chunk c: its first 16 quants take scale 2c, the next 16 scale 2c + 1
-                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(x[b].scales[2 * c + 1]),
-                                                    _mm_set1_epi16(x[b].scales[2 * c]));
-                s[c] = bcast256(sc);
+            for (int c = 0; c < 8; ++c) {
+                q[c] = bcast256(q256[c]);
+                s[c] = bcast256(q6_K_chunk_scales(&x[b], c));
             }
             const __m512i scales16 = bcast256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[b].scales)));
             const __m512 xd = _mm512_set1_ps(f16(x[b].d));
@@ -391,12 +415,121 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
 
 #endif  // DFLASH_BATCH_DOT
 
+#if defined(DFLASH_AVX2) && !defined(DFLASH_BATCH_DOT)
+
+// ---- q4_K and q6_K on AVX2: a weight row against up to 16 activation rows --------------------------------------
+// Each activation row goes through vec_dot's own AVX2 operations (the same instructions, lane for lane), with the
+// weight's super-block unpacked once for all of them instead of once per row.
+
+static bool dot_q4_K_avx2(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                          float * dst, size_t dst_stride) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < nw; ++i) {
+        const q4_K_block * x = (const q4_K_block *) (w + i * w_stride);
+        __m256 acc[MAX_ROWS];
+        __m128 acc_m[MAX_ROWS];
+        for (int r = 0; r < ny; ++r) {
+            acc[r] = _mm256_setzero_ps();
+            acc_m[r] = _mm_setzero_ps();
+        }
+        for (int b = 0; b < nb; ++b) {
+            uint32_t u[4];
+            q4_K_scales(&x[b], u);
+            const uint8_t * sc = (const uint8_t *) u;
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
+            const float xd = f16(x[b].d), xdmin = f16(x[b].dmin);
+            __m256i ql[4], qh[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[b].qs + 32 * j));
+                ql[j] = _mm256_and_si256(bits, m4);
+                qh[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            }
+            for (int r = 0; r < ny; ++r) {
+                const q8_K_block * yb = (const q8_K_block *) (y + r * y_stride) + b;
+                const float d = yb->d * xd;
+                const float dmin = -yb->d * xdmin;
+                const __m256i q8sums = _mm256_loadu_si256((const __m256i *) yb->bsums);
+                const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+                const __m128i prod = _mm_madd_epi16(mins, q8s);
+                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+                __m256i sumi = _mm256_setzero_si256();
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i yl = _mm256_loadu_si256((const __m256i *) (yb->qs + 64 * j));
+                    const __m256i yh = _mm256_loadu_si256((const __m256i *) (yb->qs + 64 * j + 32));
+                    const __m256i pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]), _mm256_maddubs_epi16(ql[j], yl));
+                    const __m256i ph =
+                        _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]), _mm256_maddubs_epi16(qh[j], yh));
+                    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+            }
+        }
+        for (int r = 0; r < ny; ++r) {
+            __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            dst[(size_t) r * dst_stride + i] = hsum8(acc[r]) + _mm_cvtss_f32(m);
+        }
+    }
+    return true;
+}
+
+static bool dot_q6_K_avx2(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                          float * dst, size_t dst_stride) {
+    for (int i = 0; i < nw; ++i) {
+        const q6_K_block * x = (const q6_K_block *) (w + i * w_stride);
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < ny; ++r) {
+            acc[r] = _mm256_setzero_ps();
+        }
+        for (int b = 0; b < nb; ++b) {
+            __m256i q[8], s[8];
+            q6_K_quants(&x[b], q);
+            for (int c = 0; c < 8; ++c) {
+                s[c] = q6_K_chunk_scales(&x[b], c);
+            }
+            const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[b].scales));
+            const float xd = f16(x[b].d);
+            for (int r = 0; r < ny; ++r) {
+                const q8_K_block * yb = (const q8_K_block *) (y + r * y_stride) + b;
+                const float d = yb->d * xd;
+                const __m256i sub = _mm256_slli_epi32(
+                    _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), scales16), 5);
+                __m256i sumi = _mm256_setzero_si256();
+                for (int c = 0; c < 8; ++c) {
+                    const __m256i yq = _mm256_loadu_si256((const __m256i *) (yb->qs + 32 * c));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s[c], _mm256_maddubs_epi16(q[c], yq)));
+                }
+                sumi = _mm256_sub_epi32(sumi, sub);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+            }
+        }
+        for (int r = 0; r < ny; ++r) {
+            dst[(size_t) r * dst_stride + i] = hsum8(acc[r]);
+        }
+    }
+    return true;
+}
+
+#endif
+
 bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                       size_t y_stride, int ny, float * dst, size_t dst_stride) {
-#ifdef DFLASH_BATCH_DOT
+#ifdef DFLASH_AVX2
     if (ny < 2 || ny > MAX_ROWS || nw < 1) {
         return false;
     }
+#ifndef DFLASH_BATCH_DOT
+    switch (type) {
+        case GGML_TYPE_Q4_K:
+            return dot_q4_K_avx2(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst,
+                                 dst_stride);
+        case GGML_TYPE_Q6_K:
+            return dot_q6_K_avx2(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst,
+                                 dst_stride);
+        default:
+            return false;
+    }
+#else
     switch (type) {
         case GGML_TYPE_Q8_0:
             return dot_q0(unpack_q8_0, 128, sizeof(q8_0_block), n / 32, (const char *) w, w_stride, nw,
@@ -411,6 +544,7 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
         default:
             return false;
     }
+#endif
 #else
     (void) type, (void) n, (void) w, (void) w_stride, (void) nw, (void) y, (void) y_stride, (void) ny, (void) dst;
     (void) dst_stride;
