@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from fixtures import write_tiny_drafter, write_tiny_target
+from fixtures import write_tiny_drafter, write_tiny_gemma4, write_tiny_target
 
 from dflash_local import Engine
 from dflash_local.convert.init_drafter import init_drafter
@@ -68,6 +68,18 @@ def gemma_drafter(models_dir, gemma_target):
     return init_drafter(
         models_dir / "gemma-drafter.gguf", gemma_target, n_target_layers=3, block_size=4, head_dim=64, n_ff=512
     )
+
+
+@pytest.fixture(scope="session")
+def gemma4(models_dir):
+    # a tiny gemma4 with sliding-window layers (a window of 8 tokens) beside full ones (tests/fixtures.py)
+    return write_tiny_gemma4(models_dir / "tiny-gemma4.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma4_drafter(models_dir, gemma4):
+    # features after layer 0 (sliding), layer 3 (the last full layer with its own KV) and layer 4 (shared KV)
+    return write_tiny_drafter(models_dir / "tiny-gemma4-drafter.gguf", gemma4, target_layers=(1, 4, 5), block_size=8)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 from conftest import check_same_as_upstream, make_prompts, upstream_convert
-from fixtures import write_tiny_drafter, write_tiny_gemma4
+from fixtures import write_tiny_gemma4
 from lossless import SAMPLED, assert_lossless
 from rollback import check_capture_paths_agree, plain_logits, scripted_run
 from scripted import ScriptedDrafter
@@ -28,17 +28,6 @@ from dflash_local.gguf_file import read_gguf
 from dflash_local.engine.placement import Placement, PlacementError
 
 DRAFT_WINDOW = 16  # the converted drafters' sliding window: contexts outgrow it within a generation
-
-
-@pytest.fixture(scope="module")
-def gemma4(models_dir):
-    return write_tiny_gemma4(models_dir / "tiny-gemma4.gguf")
-
-
-@pytest.fixture(scope="module")
-def gemma4_drafter(models_dir, gemma4):
-    # features after layer 0 (sliding), layer 3 (the last full layer with its own KV) and layer 4 (shared KV)
-    return write_tiny_drafter(models_dir / "tiny-gemma4-drafter.gguf", gemma4, target_layers=(1, 4, 5), block_size=8)
 
 
 @pytest.fixture(scope="module")

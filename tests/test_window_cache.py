@@ -7,7 +7,6 @@ cells: generations of several hundred tokens wrap around them many times, across
 and parallel slots, and every output must equal plain decoding and a fresh engine's."""
 
 import pytest
-from fixtures import write_tiny_drafter, write_tiny_gemma4
 from rollback import scripted_run
 from test_slots import interleave
 
@@ -16,16 +15,6 @@ from dflash_local.engine.placement import Placement
 
 CELLS = 256  # llama.cpp's window cache: n_swa + n_ubatch = 8 + 16, in whole 256-cell pages
 PROMPT = "def total(values):\n    result = 0\n"
-
-
-@pytest.fixture(scope="module")
-def gemma4(models_dir):
-    return write_tiny_gemma4(models_dir / "window-gemma4.gguf")
-
-
-@pytest.fixture(scope="module")
-def gemma4_drafter(models_dir, gemma4):
-    return write_tiny_drafter(models_dir / "window-gemma4-drafter.gguf", gemma4, target_layers=(1, 4, 5), block_size=8)
 
 
 def engine(target, drafter=None, n_ctx=2048, **kw):
