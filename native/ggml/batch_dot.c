@@ -417,12 +417,12 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
 
 #if defined(DFLASH_AVX2) && !defined(DFLASH_BATCH_DOT)
 
-// ---- q4_K and q6_K on AVX2: a weight row against up to 16 activation rows --------------------------------------
+// ---- q4_K and q6_K on AVX2 without VNNI: a weight row against up to 16 activation rows --------------------------------------
 // Each activation row goes through vec_dot's own AVX2 operations (the same instructions, lane for lane), with the
 // weight's super-block unpacked once for all of them instead of once per row.
 
-static bool dot_q4_K_avx2(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
-                          float * dst, size_t dst_stride) {
+static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                     float * dst, size_t dst_stride) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int i = 0; i < nw; ++i) {
         const q4_K_block * x = (const q4_K_block *) (w + i * w_stride);
@@ -473,8 +473,8 @@ static bool dot_q4_K_avx2(int nb, const char * w, size_t w_stride, int nw, const
     return true;
 }
 
-static bool dot_q6_K_avx2(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
-                          float * dst, size_t dst_stride) {
+static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                     float * dst, size_t dst_stride) {
     for (int i = 0; i < nw; ++i) {
         const q6_K_block * x = (const q6_K_block *) (w + i * w_stride);
         __m256 acc[MAX_ROWS];
@@ -518,25 +518,15 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
     if (ny < 2 || ny > MAX_ROWS || nw < 1) {
         return false;
     }
-#ifndef DFLASH_BATCH_DOT
     switch (type) {
-        case GGML_TYPE_Q4_K:
-            return dot_q4_K_avx2(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst,
-                                 dst_stride);
-        case GGML_TYPE_Q6_K:
-            return dot_q6_K_avx2(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst,
-                                 dst_stride);
-        default:
-            return false;
-    }
-#else
-    switch (type) {
+#ifdef DFLASH_BATCH_DOT  // on other AVX2 CPUs these go to sgemm
         case GGML_TYPE_Q8_0:
             return dot_q0(unpack_q8_0, 128, sizeof(q8_0_block), n / 32, (const char *) w, w_stride, nw,
                           (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q5_0:
             return dot_q0(unpack_q5_0, 16, sizeof(q5_0_block), n / 32, (const char *) w, w_stride, nw,
                           (const char *) y, y_stride, ny, dst, dst_stride);
+#endif
         case GGML_TYPE_Q4_K:
             return dot_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q6_K:
@@ -544,7 +534,6 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
         default:
             return false;
     }
-#endif
 #else
     (void) type, (void) n, (void) w, (void) w_stride, (void) nw, (void) y, (void) y_stride, (void) ny, (void) dst;
     (void) dst_stride;
