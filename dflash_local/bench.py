@@ -58,8 +58,11 @@ def load_prompts(path: str | None) -> list[dict]:
         if not line.strip():
             continue
         row = json.loads(line)
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{path}:{i}: each line needs exactly one of 'prompt' or 'messages'")
+        if not isinstance(row, dict) or sum(k in row for k in ("prompt", "messages", "turns")) != 1:
+            raise ValueError(f"{path}:{i}: each line needs exactly one of 'prompt', 'messages' or 'turns'")
+        turns = row.get("turns", ["-"])
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{path}:{i}: 'turns' is a list of user messages (non-empty strings), the chat's turns")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no prompts")
@@ -163,7 +166,9 @@ def prompt_lookup_speed(model_path, row: dict, max_tokens: int, n_threads: int, 
 
 
 def row_request(row: dict) -> dict:
-    """Engine.complete's arguments for a prompt row: a raw prompt or chat messages."""
+    """Engine.complete's arguments for a prompt row: a raw prompt or chat messages (a 'turns' row: its first turn)."""
+    if "turns" in row:
+        return {"messages": [{"role": "user", "content": row["turns"][0]}]}
     return {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
 
 
@@ -177,13 +182,17 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
               sampling: dict | None = None) -> dict:
     """Our rows for every prompt; with llama_server (its path), its rows after ours, logs in `out`. sampling:
     temperature, top_k, top_p, min_p and seed of sampled rows (None: greedy)."""
-    rows, prompt_ids, plain_ids = [], [], []
+    # the peers' requests: every turn of every row, a turn after the previous turn's cache (reuse), with its row's
+    # sampling
+    rows, prompt_ids, plain_ids, reuse, request_sampling = [], [], [], [], []
     peer = peer and not sampling
     for i, row in enumerate(prompts):
         r, ids, plain = bench_prompt(engine, row, max_tokens, peer, prompt_sampling(sampling, i))
         rows.append(r)
-        prompt_ids.append(ids)
-        plain_ids.append(plain)
+        prompt_ids += ids
+        plain_ids += plain
+        reuse += [k > 0 for k in range(len(ids))]
+        request_sampling += [prompt_sampling(sampling, i)] * len(ids)
         log(f"[{i + 1}/{len(prompts)}] baseline {r['baseline_tokens_per_second']:.1f} tok/s, dflash "
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
@@ -200,8 +209,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
     if llama_server:
         overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
                                            max_tokens, overall["baseline_tokens_per_second"], out, log,
-                                           [prompt_sampling(sampling, i) for i in range(len(prompts))]
-                                           if sampling else None)
+                                           request_sampling if sampling else None, reuse)
     return {"rows": rows, "overall": overall}
 
 
@@ -211,51 +219,88 @@ def _pooled_speed(rows: list[dict], key: str) -> float:
     return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
 
 
+def converse(engine: Engine, row: dict, max_tokens: int, afresh: bool, **kw) -> tuple[list, list[dict]]:
+    """One mode's pass over a row: its completions and their requests. A 'turns' row is a chat whose history grows:
+    each user turn after the conversation so far (this pass's own answers), reusing the cache the previous turn
+    left. afresh: the first prompt decoded from nothing, as a new conversation's is; else it may reuse the cache."""
+    turns = row.get("turns")
+    done, requests, messages = [], [], []
+    for k in range(len(turns) if turns else 1):
+        if turns:
+            messages = messages + [{"role": "user", "content": turns[k]}]
+        requests.append({"messages": messages} if turns else row_request(row))
+        done.append(engine.complete(**requests[k], **kw, max_tokens=max_tokens, cache_prompt=not (afresh and k == 0)))
+        if turns:
+            messages = messages + [{"role": "assistant", "content": done[k].text}]
+    return done, requests
+
+
+def decode_speed(done: list) -> float:
+    """Decode tokens/s of a pass: tokens made by decode steps over their time (each turn's first token comes with
+    its prompt)."""
+    ms = sum(d.summary.decode_ms for d in done)
+    return sum(max(len(d.token_ids) - 1, 0) for d in done) / (ms / 1000) if ms else 0.0
+
+
+def end_to_end_s(done: list) -> float:
+    return sum(d.summary.prompt_ms + d.summary.decode_ms for d in done) / 1000
+
+
 def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool,
-                 sampling: dict | None = None) -> tuple[dict, list[int], list[int]]:
-    """One prompt's row (plain, fixed blocks, the adaptive policy, with n-gram drafts, the prompt-lookup peer; sampled:
-    rejection sampling too), its token ids and plain decoding's output."""
-    kw = row_request(row) | (sampling or {})
-    base = engine.complete(**kw, max_tokens=max_tokens, draft=False, cache_prompt=False)  # its prompt afresh
-    engine.draft_policy = "fixed"
-    fixed = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
+                 sampling: dict | None = None) -> tuple[dict, list[list[int]], list[list[int]]]:
+    """One row's figures (plain, fixed blocks, the adaptive policy, the default with n-gram drafts, the prompt-lookup
+    peer; sampled: rejection sampling too), each turn's prompt token ids and plain decoding's output. Plain and the
+    default process their prompts themselves (a turn after the previous turn's cache, as a chat does); the DFlash-only
+    runs may reuse what the cache holds."""
+    kw = sampling or {}
+    base, requests = converse(engine, row, max_tokens, True, **kw, draft=False)
     engine.draft_policy = "auto"
-    spec = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False)
-    both = engine.complete(**kw, max_tokens=max_tokens, draft=True) if engine.ngram else spec
-    s = spec.summary
+    default, _ = converse(engine, row, max_tokens, True, **kw, draft=True)  # n-gram drafts too, when on
+    engine.draft_policy = "fixed"
+    fixed, _ = converse(engine, row, max_tokens, False, **kw, draft=True, ngram=False)
+    engine.draft_policy = "auto"
+    spec = converse(engine, row, max_tokens, False, **kw, draft=True, ngram=False)[0] if engine.ngram else default
+    s, f = pooled([d.summary for d in spec]), pooled([d.summary for d in fixed])
+    plain_speed = decode_speed(base)
+    first = row["prompt"] if "prompt" in row else row["turns"][0] if "turns" in row else row["messages"][-1]["content"]
     r = {
-        "prompt": (row.get("prompt") or row["messages"][-1]["content"])[:60],
-        "tokens": len(base.token_ids),
-        # prompt processing (the plain run's, afresh; the others reuse its cache) and each run's end-to-end time
-        # with that prompt processing: what a client waits for the whole answer
-        "prompt_tokens": base.summary.n_prompt, "prompt_ms": base.summary.prompt_ms,
-        "baseline_end_to_end_s": (base.summary.prompt_ms + base.summary.decode_ms) / 1000,
-        "ngram_end_to_end_s": (base.summary.prompt_ms + both.summary.decode_ms) / 1000,
-        "baseline_tokens_per_second": base.summary.tokens_per_second,
-        "dflash_tokens_per_second": s.tokens_per_second,
-        "speedup": s.tokens_per_second / base.summary.tokens_per_second if base.summary.tokens_per_second else 0,
+        "prompt": first[:60],
+        "turns": len(base),
+        "tokens": sum(len(d.token_ids) for d in base),
+        # prompt tokens each mode decoded (less what a turn reused from the previous turn's cache), the time to each
+        # turn's first token, and each run's end to end: what a client waits for the whole answer
+        "prompt_tokens": sum(d.summary.n_prompt - d.summary.n_cached for d in base),
+        "context_tokens": base[-1].summary.n_prompt + len(base[-1].token_ids),
+        "prompt_ms": sum(d.summary.prompt_ms for d in base),
+        "first_token_s": [d.summary.prompt_ms / 1000 for d in base],
+        "ngram_first_token_s": [d.summary.prompt_ms / 1000 for d in default],
+        "baseline_end_to_end_s": end_to_end_s(base),
+        "ngram_end_to_end_s": end_to_end_s(default),
+        "baseline_tokens_per_second": plain_speed,
+        "dflash_tokens_per_second": decode_speed(spec),
+        "speedup": decode_speed(spec) / plain_speed if plain_speed else 0,
         "mean_acceptance_length": s.mean_acceptance_length,
         "acceptance_rate": s.acceptance_rate,
         "draft_ms_per_step": s.draft_ms / s.steps if s.steps else 0.0,
         "verify_ms_per_step": s.verify_ms / s.steps if s.steps else 0.0,
         "rollback_ms_per_step": s.rollback_ms / s.steps if s.steps else 0.0,
-        "dflash_fixed_tokens_per_second": fixed.summary.tokens_per_second,
-        "fixed_mean_acceptance_length": fixed.summary.mean_acceptance_length,
-        "lossless": spec.token_ids == base.token_ids == fixed.token_ids == both.token_ids,
-        "_summary": fixed.summary,
+        "dflash_fixed_tokens_per_second": decode_speed(fixed),
+        "fixed_mean_acceptance_length": f.mean_acceptance_length,
+        "lossless": all(len({tuple(d.token_ids) for d in turn}) == 1 for turn in zip(base, default, fixed, spec)),
+        "_summary": f,
     }
     if sampling:
-        rej = engine.complete(**kw, max_tokens=max_tokens, draft=True, ngram=False, spec_sampling="rejection")
-        r["rejection_tokens_per_second"] = rej.summary.tokens_per_second
-        r["rejection_mean_acceptance_length"] = rej.summary.mean_acceptance_length
+        rej, _ = converse(engine, row, max_tokens, False, **kw, draft=True, ngram=False, spec_sampling="rejection")
+        r["rejection_tokens_per_second"] = decode_speed(rej)
+        r["rejection_mean_acceptance_length"] = pooled([d.summary for d in rej]).mean_acceptance_length
     if engine.ngram:
-        r["ngram_tokens_per_second"] = both.summary.tokens_per_second
-        r["ngram_speedup"] = both.summary.tokens_per_second / base.summary.tokens_per_second
-        r["_ngram_summary"] = both.summary
-    if peer:
+        r["ngram_tokens_per_second"] = decode_speed(default)
+        r["ngram_speedup"] = decode_speed(default) / plain_speed if plain_speed else 0
+        r["_ngram_summary"] = pooled([d.summary for d in default])
+    if peer:  # llama-cpp-python has no prompt cache across its processes: a conversation's last turn, whole
         r["prompt_lookup_tokens_per_second"], r["prompt_lookup_error"] = prompt_lookup_speed(
-            engine.target_info.path, row, max_tokens, engine.n_threads, engine.n_ctx)
-    return r, engine.prompt_tokens(**row_request(row)), base.token_ids
+            engine.target_info.path, requests[-1], max_tokens, engine.n_threads, engine.n_ctx)
+    return r, [engine.prompt_tokens(**q) for q in requests], [d.token_ids for d in base]
 
 
 def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> dict:
@@ -275,6 +320,11 @@ def summarize(engine: Engine, rows: list[dict], max_tokens: int, peer: bool) -> 
         "prompt_tokens_per_second": sum(r["prompt_tokens"] for r in rows) / (sum(r["prompt_ms"] for r in rows) / 1000),
         "baseline_end_to_end_s": sum(r["baseline_end_to_end_s"] for r in rows),
         "ngram_end_to_end_s": sum(r["ngram_end_to_end_s"] for r in rows),
+        # time to first token: the mean over every turn of every row, and the longest
+        "first_token_s": statistics.mean(t for r in rows for t in r["first_token_s"]),
+        "first_token_max_s": max(t for r in rows for t in r["first_token_s"]),
+        "ngram_first_token_s": statistics.mean(t for r in rows for t in r["ngram_first_token_s"]),
+        "requests": sum(r["turns"] for r in rows),
         "dflash_tokens_per_second": _pooled_speed(rows, "dflash_tokens_per_second"),
         "dflash_fixed_tokens_per_second": _pooled_speed(rows, "dflash_fixed_tokens_per_second"),
         "mean_acceptance_length": tau,
@@ -318,14 +368,16 @@ def markdown(result: dict) -> str:
     o = result["overall"]
     peer = "prompt_lookup_tokens_per_second" in o
     ngram = "ngram_tokens_per_second" in o
-    head = ("| prompt | tokens | baseline tok/s | DFlash tok/s | speedup | fixed-block DFlash tok/s | tau (fixed) |"
+    head = ("| prompt | tokens | first token s | baseline tok/s | DFlash tok/s | speedup | fixed-block DFlash tok/s | "
+            "tau (fixed) |"
             + (" DFlash + n-gram tok/s | speedup |" if ngram else "") + (" prompt lookup tok/s |" if peer else ""))
     sampling = o.get("sampling")
     if sampling:
         head += " rejection sampling tok/s | tau (rejection) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
-        lines.append(f"| {r['prompt'][:40]!r} | {r['tokens']} | {r['baseline_tokens_per_second']:.1f} | "
+        lines.append(f"| {r['prompt'][:40]!r}{' (%d turns)' % r['turns'] if r['turns'] > 1 else ''} | {r['tokens']} | "
+                     f"{statistics.mean(r['first_token_s']):.2f} | {r['baseline_tokens_per_second']:.1f} | "
                      f"{r['dflash_tokens_per_second']:.1f} | {r['speedup']:.2f} | "
                      f"{r['dflash_fixed_tokens_per_second']:.1f} | {r['fixed_mean_acceptance_length']:.2f} |"
                      + (f" {r['ngram_tokens_per_second']:.1f} | {r['ngram_speedup']:.2f} |" if ngram else "")
@@ -333,7 +385,7 @@ def markdown(result: dict) -> str:
                         else "")
                      + (f" {r['rejection_tokens_per_second']:.1f} | {r['rejection_mean_acceptance_length']:.2f} |"
                         if sampling else ""))
-    lines.append(f"| **overall** | | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
+    lines.append(f"| **overall** | | {o['first_token_s']:.2f} | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
                  f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
                  + (f" {o['ngram_tokens_per_second']:.1f} | {o['speedup_ngram']:.2f} |" if ngram else "")
                  + (f" {_speed(o['prompt_lookup_tokens_per_second'], 'failed on every prompt')} |" if peer
@@ -347,8 +399,12 @@ def markdown(result: dict) -> str:
               f"Ideal speedup tau*T(1)/(T(B)+draft) = {o['ideal_speedup']:.2f}. "
               f"Acceptance by block position: {' '.join(f'{a:.2f}' for a in o['acceptance_rate'])}. "
               f"Lossless: {o['lossless']}. Prompt processing {o['prompt_tokens_per_second']:.1f} tok/s "
-              f"({sum(r['prompt_tokens'] for r in result['rows'])} prompt tokens, each prompt afresh); end to end "
-              f"(prompt processing and decoding, all prompts) {o['baseline_end_to_end_s']:.1f} s plain"
+              f"({sum(r['prompt_tokens'] for r in result['rows'])} prompt tokens decoded: each row's first prompt "
+              f"afresh, a later turn after the previous turn's cache); time to first token {o['first_token_s']:.2f} s "
+              f"mean, {o['first_token_max_s']:.2f} s the longest (plain)"
+              + (f", {o['ngram_first_token_s']:.2f} s mean the default" if ngram else "")
+              + f"; end to end (prompt processing and decoding, all {o['requests']} requests) "
+              f"{o['baseline_end_to_end_s']:.1f} s plain"
               + (f", {o['ngram_end_to_end_s']:.1f} s the default (DFlash + n-gram)" if ngram else "") + "."]
     if sampling:
         lines[-1] += (f" Sampled: temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, top-p "
@@ -364,7 +420,7 @@ def markdown(result: dict) -> str:
                       f"{g['ngram_steps']} of {g['steps']} steps drafted by the lookup, {g['ngram_accepted']} of "
                       f"their tokens accepted; tau {g['mean_acceptance_length']:.2f}.")
     if "peers" in o:
-        lines += ["", peers.markdown(o["peers"], o["prompts"]).rstrip("\n")]
+        lines += ["", peers.markdown(o["peers"], o["requests"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -434,9 +490,9 @@ def cmd_bench(args, load_engine: Callable[[], Engine]) -> int:
     if not with_plot:
         print(NO_PLOT, file=sys.stderr)
     prompts = load_prompts(args.prompts)
-    if args.reasoning != "auto" and not any("messages" in row for row in prompts):
+    if args.reasoning != "auto" and all("prompt" in row for row in prompts):
         raise ValueError("--reasoning sets enable_thinking in the chat template: it needs chat prompts ('messages' "
-                         "rows in --prompts)")
+                         "or 'turns' rows in --prompts)")
     server_args = llama_server_args(args.llama_server, args.llama_server_args)  # bad flags fail before the models load
     engine = load_engine()
     sampling = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,

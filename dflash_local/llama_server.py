@@ -89,14 +89,14 @@ class Server:
                 self.proc.wait()
 
     def complete(self, ids: list[int], n_predict: int, timeout: float = REQUEST_TIMEOUT,
-                 sampling: dict | None = None) -> dict:
+                 sampling: dict | None = None, cache_prompt: bool = False) -> dict:
         """Completion of the prompt tokens `ids` (sent as ids: llama-server adds no BOS to them and applies no
-        template), n_predict tokens at most, the prompt evaluated afresh; greedy, or with `sampling` (temperature,
-        top_k, top_p, min_p, seed: its fields of the same names). Returns its token ids, its timings (predicted_n,
-        predicted_ms, predicted_per_second, prompt_n, prompt_ms, and draft_n / draft_n_accepted, 0 without drafts) and
-        the request's
-        wall-clock seconds."""
-        body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+        template), n_predict tokens at most, the prompt evaluated afresh (cache_prompt: after what its cache holds);
+        greedy, or with `sampling` (temperature, top_k, top_p, min_p, seed: its fields of the same names). Returns its
+        token ids, its timings (predicted_n, predicted_ms, predicted_per_second, prompt_n, prompt_ms, and draft_n /
+        draft_n_accepted, 0 without drafts) and the request's wall-clock seconds."""
+        body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": cache_prompt,
+                "return_tokens": True}
         body |= sampling or {}
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})

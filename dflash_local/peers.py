@@ -5,8 +5,10 @@ One llama-server process per configuration, started once for all prompts (its st
 threads, context size and GPU layers, one slot, on 127.0.0.1; otherwise with upstream's defaults (weight repacking
 on, -fa auto, where ours are off), which --llama-server-args can change. Every prompt goes to /completion as the token
 ids our rows decode from (chat prompts: our engine's chat template, so both sides read the same tokens), n_predict = -n,
-temperature 0 (with --temp: the bench's temperature, top_k, top_p, min_p and each prompt's seed), no prompt cache;
-the output comes back as token ids (`return_tokens`) and is compared with ours.
+temperature 0 (with --temp: the bench's temperature, top_k, top_p, min_p and each prompt's seed), each row's first
+prompt afresh (`cache_prompt: false`) and a chat's later turns after its cache (`cache_prompt: true`: the turn's
+prompt is the history with our plain answers, which where llama-server answered otherwise shares only a prefix with
+what it holds); the output comes back as token ids (`return_tokens`) and is compared with ours.
 
 Configurations: plain; --spec-type ngram-simple and ngram-mod (they draft with their own lengths, size_m 48 and
 ngram-mod's n_max 64, and read neither --spec-draft-n-max nor --spec-draft-p-min, so they run once, with upstream's
@@ -41,9 +43,10 @@ def configurations(drafter: str) -> list[dict]:
 
 
 def run_configuration(binary: str, base_args: list[str], config: dict, extra_args: list[str],
-                      prompt_ids: list[list[int]], max_tokens: int, log: Path,
-                      sampling: list[dict] | None = None) -> tuple[list[dict] | None, str, str | None]:
-    """(one completion per prompt, the command line, None), or (None, the command line, why it failed)."""
+                      prompt_ids: list[list[int]], max_tokens: int, log: Path, sampling: list[dict] | None = None,
+                      reuse: list[bool] | None = None) -> tuple[list[dict] | None, str, str | None]:
+    """(one completion per prompt, the command line, None), or (None, the command line, why it failed). reuse[i]:
+    prompt i is a chat's next turn, after the cache the previous one left."""
     port = free_port()
     # the user's extra flags come last: llama.cpp takes the last value of a flag given twice
     argv = [binary, *base_args, "--port", str(port), *config["args"], *extra_args]
@@ -52,7 +55,8 @@ def run_configuration(binary: str, base_args: list[str], config: dict, extra_arg
             done = []
             for i, ids in enumerate(prompt_ids):
                 try:
-                    done.append(server.complete(ids, max_tokens, sampling=sampling[i] if sampling else None))
+                    done.append(server.complete(ids, max_tokens, sampling=sampling[i] if sampling else None,
+                                                cache_prompt=bool(reuse and reuse[i])))
                 except ServerError as e:
                     raise ServerError(f"prompt {i + 1} of {len(prompt_ids)}: {e}") from None
     except ServerError as e:
@@ -65,14 +69,15 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
     """bench.json's entry for one configuration. tokens_per_second is total decode tokens over total decode time
     (as our overall figures); mean_tokens_per_second the mean of llama-server's per-prompt predicted_per_second;
     wall_tokens_per_second all tokens over the requests' wall-clock time (prompt processing and HTTP included);
-    prompt_tokens_per_second its prompt processing (every prompt evaluated afresh); end_to_end_s the requests'
-    wall-clock seconds, summed."""
+    prompt_tokens_per_second its prompt processing (the tokens it decoded: a chat's later turns reuse its cache);
+    first_token_s its mean prompt time (its first token comes with it); end_to_end_s the requests' wall-clock seconds,
+    summed."""
     row = {k: config[k] for k in ("name", "type", "n_max", "p_min")} | {
         "command": command, "upstream_defaults": config["type"] is not None and (
             config["n_max"] is None or (config["n_max"], config["p_min"]) == UPSTREAM_DEFAULTS),
         "best_of_sweep": False, "error": error, "prompts": 0, "tokens": 0, "tokens_per_second": None,
         "mean_tokens_per_second": None, "wall_tokens_per_second": None, "speedup_vs_our_plain": None,
-        "prompt_tokens_per_second": None, "end_to_end_s": None,
+        "prompt_tokens_per_second": None, "first_token_s": None, "end_to_end_s": None,
         "drafted": None, "accepted": None, "acceptance": None, "identical_to_our_plain": None,
         "identical_to_its_plain": None}
     if done is None:
@@ -85,6 +90,7 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
         "mean_tokens_per_second": statistics.mean(d["predicted_per_second"] for d in done),
         "wall_tokens_per_second": sum(d["predicted_n"] for d in done) / sum(d["wall_s"] for d in done),
         "prompt_tokens_per_second": sum(d["prompt_n"] for d in done) / (sum(d["prompt_ms"] for d in done) / 1000),
+        "first_token_s": statistics.mean(d["prompt_ms"] for d in done) / 1000,
         "end_to_end_s": sum(d["wall_s"] for d in done),
         "speedup_vs_our_plain": speed / our_speed if our_speed else None,
         "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
@@ -97,9 +103,9 @@ def peer_row(config: dict, command: str, done: list[dict] | None, error: str | N
 
 def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[int]], ours_plain: list[list[int]],
               max_tokens: int, our_speed: float, log_dir: Path, log=print,
-              sampling: list[dict] | None = None) -> list[dict]:
-    """Every configuration over every prompt (greedy, or each prompt with its `sampling`): bench.json's
-    overall["peers"]."""
+              sampling: list[dict] | None = None, reuse: list[bool] | None = None) -> list[dict]:
+    """Every configuration over every prompt (greedy, or each prompt with its `sampling`; reuse: run_configuration's):
+    bench.json's overall["peers"]."""
     log_dir.mkdir(parents=True, exist_ok=True)
     p = engine.placement
     ngl = "all" if p.n_gpu_layers < 0 else str(p.n_gpu_layers)
@@ -109,7 +115,7 @@ def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[
     for config in configurations(str(engine.draft_path)):
         name = config["name"].replace(",", "+").replace(" ", "_")
         done, command, error = run_configuration(binary, base_args, config, extra_args, prompt_ids, max_tokens,
-                                                 log_dir / f"llama-server-{name}.log", sampling)
+                                                 log_dir / f"llama-server-{name}.log", sampling, reuse)
         if config["type"] is None and done is not None:
             its_plain = [d["tokens"] for d in done]
         rows.append(peer_row(config, command, done, error, ours_plain, its_plain, our_speed))
@@ -125,12 +131,12 @@ def run_peers(binary: str, extra_args: list[str], engine, prompt_ids: list[list[
 
 def markdown(peers: list[dict], n_prompts: int) -> str:
     lines = ["| llama-server | tok/s | mean tok/s | wall tok/s | vs our plain | acceptance | = our plain | "
-             "= its plain | prompt tok/s | end to end s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "= its plain | prompt tok/s | first token s | end to end s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in peers:
         name = r["name"] + (" (upstream defaults)" if r["upstream_defaults"] and r["n_max"] is not None else "") + (
             " **best of sweep**" if r["best_of_sweep"] else "")
         if r["error"]:
-            lines.append(f"| {name} | {r['error'].replace('|', '/')} | | | | | | | | |")
+            lines.append(f"| {name} | {r['error'].replace('|', '/')} | | | | | | | | | |")
             continue
         acceptance = "" if r["type"] is None else "none drafted" if not r["drafted"] else f"{r['acceptance']:.2f}"
         lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r['mean_tokens_per_second']:.1f} | "
@@ -138,12 +144,13 @@ def markdown(peers: list[dict], n_prompts: int) -> str:
                      f"{acceptance} | {r['identical_to_our_plain']}/{n_prompts} | "
                      + (f"{r['identical_to_its_plain']}/{n_prompts} |" if r["identical_to_its_plain"] is not None
                         else " |")
-                     + f" {r['prompt_tokens_per_second']:.1f} | {r['end_to_end_s']:.1f} |")
+                     + f" {r['prompt_tokens_per_second']:.1f} | {r['first_token_s']:.2f} | {r['end_to_end_s']:.1f} |")
     command = next((r["command"] for r in peers if r["type"] is None), peers[0]["command"])
     lines += ["", "tok/s: total decode tokens over total decode time (llama-server's timings; the first token of each "
               "prompt comes with its prompt, as in our rows); mean tok/s: mean of its per-prompt predicted_per_second; "
               "wall tok/s: tokens over each request's wall-clock time, prompt processing and HTTP included; prompt "
-              "tok/s: its prompt processing, every prompt afresh; end to end s: the requests' wall-clock seconds. "
+              "tok/s: its prompt processing (a chat's later turns after its cache); first token s: its mean prompt "
+              "time; end to end s: the requests' wall-clock seconds. "
               "Acceptance: draft tokens accepted / drafted. = our plain, = its plain: outputs token-identical to our "
               "plain greedy decoding, to llama-server's plain run. Prompts sent as our token ids (chat prompts through "
               "our chat template). n-gram types ignore --spec-draft-n-max/--spec-draft-p-min and run once. Upstream's "

@@ -63,11 +63,44 @@ def test_a_sampled_bench_is_lossless_and_reports_rejection_sampling(tiny_target,
     assert "rejection sampling tok/s" in md and "Sampled: temperature 0.8, top-k 40" in md
 
 
+def test_a_multi_turn_row_is_a_chat_whose_later_turns_reuse_the_cache(tiny_target, tiny_drafter, tmp_path):
+    """A 'turns' row: each user turn after the conversation so far (the run's own answers), a later turn decoding only
+    what the previous turn did not leave in the cache; every mode gives plain decoding's tokens, and each turn has its
+    time to first token."""
+    from dflash_local.bench import converse
+
+    row = {"turns": ["Tell me a story about a fox.", "Go on.", "And then what happened?"]}
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(row) + "\n" + json.dumps({"prompt": "Hello world"}) + "\n")
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(prompts), "-n", "12",
+                   "--no-peer", "--out", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    o, chat = result["overall"], result["rows"][0]
+    assert o["lossless"] is True and o["prompts"] == 2 and o["requests"] == 4
+    assert chat["turns"] == 3 and len(chat["first_token_s"]) == len(chat["ngram_first_token_s"]) == 3
+    # the same conversation, plain: its prompts hold the earlier answers, and the bench decoded fewer prompt tokens
+    # than the three prompts hold (the later turns reused the cache), the first one whole
+    e = Engine(tiny_target, n_ctx=4096)
+    done, requests = converse(e, row, 12, True, draft=False)
+    lengths = [len(e.prompt_tokens(**q)) for q in requests]
+    assert requests[2]["messages"][1] == {"role": "assistant", "content": done[0].text}
+    assert chat["tokens"] == sum(len(d.token_ids) for d in done)
+    assert chat["context_tokens"] == lengths[2] + len(done[2].token_ids)
+    assert lengths[0] + 2 <= chat["prompt_tokens"] < sum(lengths)
+    assert done[1].summary.n_cached > 0 and done[2].summary.n_cached > lengths[0]
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "(3 turns)" in md and "first token s" in md and "all 4 requests" in md
+
+
 def test_bench_rejects_bad_prompt_files(tiny_target, tiny_drafter, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(bad)], tmp_path)
-    assert r.returncode == 2 and "exactly one of 'prompt' or 'messages'" in r.stderr
+    assert r.returncode == 2 and "exactly one of 'prompt', 'messages' or 'turns'" in r.stderr
+    bad.write_text('{"turns": ["fine", ""]}\n')
+    r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--prompts", str(bad)], tmp_path)
+    assert r.returncode == 2 and "'turns' is a list of user messages (non-empty strings)" in r.stderr
     r = run_bench(["-m", str(tiny_target), "--prompts", str(bad)], tmp_path)
     assert r.returncode == 2 and "give a drafter" in r.stderr
     r = run_bench(["-m", str(tiny_target), "-d", str(tiny_drafter), "--reasoning", "on"], tmp_path)

@@ -20,7 +20,7 @@ BINARY = Path(os.environ.get("DFLASH_LLAMA_SERVER") or Path(__file__).parents[1]
 PEER_KEYS = {"name", "type", "n_max", "p_min", "command", "upstream_defaults", "best_of_sweep", "error", "prompts",
              "tokens", "tokens_per_second", "mean_tokens_per_second", "wall_tokens_per_second",
              "speedup_vs_our_plain", "drafted", "accepted", "acceptance", "identical_to_our_plain",
-             "identical_to_its_plain", "prompt_tokens_per_second", "end_to_end_s"}
+             "identical_to_its_plain", "prompt_tokens_per_second", "first_token_s", "end_to_end_s"}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,27 @@ def test_sampled_rows_send_the_benchs_sampling_to_llama_server(tiny_target, llam
     same, other = run([chain | {"seed": 5}, chain | {"seed": 5}]), run([chain | {"seed": 6}, chain | {"seed": 7}])
     assert same[0] == same[1] and other[0] != same[0] and other[1] != same[0]
     assert run(None) == [e.complete(ids, max_tokens=24, draft=False).token_ids] * 2
+
+
+def test_a_chat_turn_goes_to_llama_server_after_its_cache(tiny_target, llama_server, tmp_path):
+    """A multi-turn row's later turn (run_configuration's reuse) is sent with cache_prompt: llama-server decodes only
+    what its cache does not hold; a row's first prompt is decoded whole."""
+    e = Engine(tiny_target, n_ctx=256)
+    ids = e.prompt_tokens("def total(values):\n")
+    answer = e.complete(ids, max_tokens=16, draft=False).token_ids
+    turn = ids + answer + ids[1:]  # the history and a next message
+    base = ["-m", str(tiny_target), "-c", "256", "-np", "1", "-t", "2", "-fa", "off"]
+    plain = peers.configurations("unused")[0]
+    for reuse in ([False, True], [False, False]):
+        done, _, error = peers.run_configuration(str(llama_server), base, plain, [], [ids, turn], 16,
+                                                 tmp_path / "plain.log", reuse=reuse)
+        assert error is None and done[0]["prompt_n"] == len(ids) and done[0]["tokens"] == answer
+        if reuse[1]:  # its cache holds the first prompt and all of its answer but the last token
+            assert done[1]["prompt_n"] == len(turn) - (len(ids) + len(answer) - 1)
+        else:
+            assert done[1]["prompt_n"] == len(turn)
+    row = peers.peer_row(plain, "cmd", done, None, [answer, done[1]["tokens"]], None, 100.0)
+    assert row["first_token_s"] == (done[0]["prompt_ms"] + done[1]["prompt_ms"]) / 2000
 
 
 def test_bench_refuses_bad_llama_server_options(tiny_target, tiny_drafter, tmp_path):
