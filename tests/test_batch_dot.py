@@ -4,6 +4,7 @@ each weight type they cover, compared element by element against the installed l
 lossless tests then check what this buys end to end: drafted output token-identical to plain decoding while verify
 batches run through these kernels."""
 
+import re
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -43,7 +44,8 @@ def build_check(tmp_path_factory, source: str) -> Path:
     lib = SITE / "llama_cpp" / "lib"
     cc = sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"
     r = subprocess.run([cc, "-O2", "-march=native", "-I", str(SITE / "include"), str(ROOT / "native" / "ggml" / source),
-                        "-L", str(lib), "-lggml-cpu", "-lggml-base", "-lggml", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                        "-L", str(lib), "-lggml-cpu", "-lggml-base", "-lggml", "-lm", f"-Wl,-rpath,{lib}", "-o",
+                        str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return exe
@@ -88,3 +90,11 @@ def test_ggmls_matmul_gives_a_row_its_bits_whatever_the_batch(check_matmul, thre
     Upstream's sgemm fails it: its f32, f16, bf16 and iq4_nl rows differ from the row alone."""
     r = subprocess.run([str(check_matmul), str(threads)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr
+
+
+def test_the_attention_benchmark_mode_runs(check_matmul):
+    """check_matmul THREADS bench: a decode step's two attention products at 4096 cells, timed (docs/measurements.md)."""
+    r = subprocess.run([str(check_matmul), "2", "bench"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.fullmatch(r"decode step's attention, 4 heads, 4096 cells, 2 threads: K x Q \d+\.\d us, V x softmax "
+                        r"\d+\.\d us", r.stdout.strip()), r.stdout

@@ -58,6 +58,12 @@ def test_the_sdists_matmul_calls_the_kernels_and_builds_them(sdist):
         "static void ggml_compute_forward_mul_mat_id_one_chunk(", 0, call)
     assert call < c.index("vec_dot(ne00, &tmp[ir0 - iir0]", call)
     assert "ggml-cpu/batch_dot.c" in (sdist / CPU / "CMakeLists.txt").read_text()
+    # sgemm gets the converted rows of the heads that share a slice of src0 as one product; src1's own rows (the
+    # first sgemm loop) go as before, a head at a time
+    mm = c[c.index("\nvoid ggml_compute_forward_mul_mat(\n"):]
+    first, converted = mm.index("(const char *)src1->data + i12*nb12"), mm.index("(const char *)wdata + (i12*ne11")
+    assert mm.count("i12 += heads") == 1 and first < mm.index("i12 += heads") < converted
+    assert mm.count("ne01, heads*ne11,") == 1 and "const int64_t heads = nb2 == ne1*nb1 ? r2 : 1;" in mm
     for name in ("batch_dot.c", "batch_dot.h"):
         assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
 

@@ -37,6 +37,30 @@ CHUNK_CALL = """    float tmp[32];
 """
 INCLUDE_ANCHOR = '#include "tiled/tiled.h"\n'
 
+# ggml_compute_forward_mul_mat hands sgemm one head at a time; with grouped-query attention the r2 heads that share a
+# slice of the cache then read it r2 times (a decode step at depth is bound by those reads: 4 times gemma's K and V).
+# Their rows lie side by side in the converted src1, and their outputs in dst, so they go as one product of r2 * ne11
+# columns: the slice is read once. sgemm gives each element the same bits whatever the number of columns, so nothing
+# else changes
+GQA_ANCHOR = """        for (int64_t i13 = 0; i13 < ne13; i13++)
+            for (int64_t i12 = 0; i12 < ne12; i12++)
+                if (!llamafile_sgemm(params,
+                                     ne01, ne11, ne00/ggml_blck_size(src0->type),
+                                     (const char *)src0->data + i12/r2*nb02 + i13/r3*nb03,
+                                     nb01/ggml_type_size(src0->type),
+                                     (const char *)wdata + (i12*ne11 + i13*ne12*ne11)*row_size,
+"""
+GQA_NEW = """        // dflash-local: the heads sharing a slice of src0 as one product (see patch_ggml.py)
+        const int64_t heads = nb2 == ne1*nb1 ? r2 : 1;
+        for (int64_t i13 = 0; i13 < ne13; i13++)
+            for (int64_t i12 = 0; i12 < ne12; i12 += heads)
+                if (!llamafile_sgemm(params,
+                                     ne01, heads*ne11, ne00/ggml_blck_size(src0->type),
+                                     (const char *)src0->data + i12/r2*nb02 + i13/r3*nb03,
+                                     nb01/ggml_type_size(src0->type),
+                                     (const char *)wdata + (i12*ne11 + i13*ne12*ne11)*row_size,
+"""
+
 # llamafile_sgemm (a GGML_LLAMAFILE build) serves only products it gives the same bits whatever the number of rows
 # (native/ggml/README.md, checked by check_matmul.c): on x86, float weights (the attention's f16 cache among them) for
 # every row count, one included, and q8_0, q5_0 and q4_0 from two rows (their one-row vec_dot has sgemm's bits and is
@@ -82,6 +106,7 @@ def main(sdist: Path) -> None:
         sys.exit(f"error: {cpu / 'ggml-cpu.c'} is patched already")
     c = replace_once(c, INCLUDE_ANCHOR, INCLUDE_ANCHOR + '#include "batch_dot.h"\n', cpu / "ggml-cpu.c")
     c = replace_once(c, CHUNK_ANCHOR, CHUNK_CALL, cpu / "ggml-cpu.c")
+    c = replace_once(c, GQA_ANCHOR, GQA_NEW, cpu / "ggml-cpu.c")
     sgemm = cpu / "llamafile" / "sgemm.cpp"
     g = replace_once(sgemm.read_text(), SGEMM_ANCHOR, SGEMM_NEW, sgemm)
     g = replace_once(g, SGEMM_DEF_ANCHOR, SGEMM_MARKER + SGEMM_DEF_ANCHOR, sgemm)
@@ -92,7 +117,8 @@ def main(sdist: Path) -> None:
     (cpu / "ggml-cpu.c").write_text(c)
     sgemm.write_text(g)
     cmake.write_text(m)
-    print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products")
+    print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products and given "
+          "a cache slice's heads at once")
 
 
 if __name__ == "__main__":
