@@ -88,7 +88,7 @@ def verify_cost_curve(engine: Engine, block: int, repeats: int = 5, rejected: bo
     engine.cache.clear()  # the session is driven by hand here
     ids = engine.prompt_tokens(DEFAULT_PROMPTS[1]["prompt"])
     last = s.prefill(ids, sp, 0)
-    s.checkpoint()  # a recurrent target's state comes back to p0 from here (a no-op for others)
+    s.checkpoint()  # a recurrent or window target comes back to p0 from here (a no-op for others)
     p0, own = s.n_past, own_continuation(s, last, block - 1, sp)
     if rejected:  # drafts of a token that is not the target's next one
         own = [last] + [(own_continuation(s, last, 1, sp)[1] + 1) % engine.target.n_vocab] * (block - 1)

@@ -253,6 +253,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("has_drafter", &Session::has_drafter)
         .def_property_readonly("uses_layer_api", &Session::uses_layer_api)
         .def_property_readonly("recurrent", &Session::is_recurrent)
+        .def_property_readonly("checkpoints", &Session::checkpoints)
         .def_property_readonly("n_rs_seq", &Session::snapshots)
         .def_property_readonly("checkpoint_pos", [](const Session & ss) { return ss.checkpoint_pos(0); })
         .def("checkpoint_at", &Session::checkpoint_pos, py::arg("slot"))

@@ -260,9 +260,10 @@ void Session::truncate(int n, int slot) {
                                     std::to_string(sl.prompt_ckpt_pos) + " (its checkpoint), not " +
                                     std::to_string(n));
     }
-    if (n != 0 && n != sl.past && n < reuse_floor(slot)) {
+    if (n != 0 && n != sl.past && n < reuse_floor(slot) && n != sl.prompt_ckpt_pos) {
         throw std::invalid_argument("the sliding-window cache holds a full window from position " +
-                                    std::to_string(reuse_floor(slot)) + " on, not at " + std::to_string(n));
+                                    std::to_string(reuse_floor(slot)) + " on (and at its checkpoint " +
+                                    std::to_string(sl.prompt_ckpt_pos) + "), not at " + std::to_string(n));
     }
     LogScope log(verbose);
     if (!keep(n, slot)) {
@@ -285,13 +286,14 @@ int Session::reuse_floor(int slot) const {
 // Make both caches hold the positions [0, n) only of the slot's sequence. If llama.cpp refuses to drop part of it,
 // empty the sequence (should even that fail, every slot's) and return false. A recurrent target's state is only
 // known at past and at the checkpoint: elsewhere (a failed call going back to its start, after decoding) it is
-// emptied too.
+// emptied too; so is a window cache's below its reuse floor.
 bool Session::keep(int n, int slot) {
     Slot & sl = at(slot);
     llama_memory_t mem_tgt = llama_get_memory(ctx_tgt);
     llama_memory_t mem_dft = ctx_dft ? llama_get_memory(ctx_dft) : nullptr;
     bool ok = true;
-    if (recurrent && n != sl.past && n != 0) {
+    if ((recurrent || n < reuse_floor(slot)) && n != sl.past && n != 0) {
+        // the checkpoint's state (recurrent, or the window's cells) comes back; the full layers then drop the rest
         ok = n == sl.prompt_ckpt_pos && restore_state(sl.prompt_ckpt, slot);
     }
     ok = ok && llama_memory_seq_rm(mem_tgt, slot, n, -1);
@@ -330,11 +332,12 @@ bool Session::keep(int n, int slot) {
     return ok;
 }
 
-// Save the target's recurrent state at the current position: truncate() can come back to it later (one
-// checkpoint, replacing the previous one). A no-op for targets without recurrent memory.
+// Save the target's recurrent state, or its window cache's cells, at the current position: truncate() can come back
+// to it later (one checkpoint, replacing the previous one), as to a position the window still holds. A no-op for
+// targets whose cache drops positions by itself.
 void Session::checkpoint(int slot) {
     Slot & sl = at(slot);
-    if (!recurrent) {
+    if (!checkpoints()) {
         return;
     }
     LogScope log(verbose);
@@ -342,11 +345,12 @@ void Session::checkpoint(int slot) {
     sl.prompt_ckpt_pos = sl.past;
 }
 
-// The target's recurrent state of one slot (not its attention KV cache, which drops positions by itself).
+// The target's recurrent state and window cache of one slot (not its full attention layers' KV cache, which drops
+// positions by itself).
 void Session::save_state(std::vector<uint8_t> & buf, int slot) {
     buf.resize(llama_state_seq_get_size_ext(ctx_tgt, slot, partial));
     if (buf.empty() || llama_state_seq_get_data_ext(ctx_tgt, buf.data(), buf.size(), slot, partial) != buf.size()) {
-        fail("could not save the target's recurrent state");
+        fail("could not save the target's checkpoint state");
     }
 }
 

@@ -121,6 +121,8 @@ public:
 
     std::vector<std::tuple<std::string, size_t, size_t, size_t>> memory(const std::string & which) const;
     bool is_recurrent() const { return recurrent; }
+    // whether a prompt's state is worth a checkpoint: a recurrent state, or a window cache, cannot go back anywhere
+    bool checkpoints() const { return recurrent || n_swa > 0; }
     int snapshots() const { return n_rs; }
     int pending_rows(int slot = 0) const { return at(slot).n_pending; }
     int checkpoint_pos(int slot = 0) const { return at(slot).prompt_ckpt_pos; }

@@ -63,6 +63,45 @@ def test_a_warm_cache_gives_a_fresh_engines_bits_past_the_window(gemma4, gemma4_
     assert n_cached == 0 and redo == answer(engine(gemma4, gemma4_drafter), short)[0]
 
 
+def test_a_prompt_without_the_last_answer_resumes_from_the_checkpoint(gemma4, gemma4_drafter):
+    """A chat template that leaves an answer's reasoning out of the history: the next prompt shares the previous
+    prompt, not the answer, whose hundreds of tokens overwrote the prompt's window. The prompt's checkpoint (its
+    window cells, saved before its last token) takes the cache back there, and the answer is a fresh engine's."""
+    e = engine(gemma4, gemma4_drafter)
+    ids = e.prompt_tokens(PROMPT * 6)
+    e.complete(ids, max_tokens=400)
+    assert e.session.reuse_floor() > len(ids)  # the prompt's window is overwritten
+    follow = ids + e.prompt_tokens("What does it return?")
+    warm, n_cached = answer(e, follow)
+    assert n_cached == len(ids) - 1
+    assert warm == answer(engine(gemma4, gemma4_drafter), follow)[0]
+    # and again from that checkpoint's own successor: the follow-up's checkpoint, past another long answer
+    e.complete(follow, max_tokens=400, draft=False)
+    again, n_cached = answer(e, follow + e.prompt_tokens("And for an empty list?"))
+    assert n_cached == len(follow) - 1
+    assert again == answer(engine(gemma4, gemma4_drafter), follow + e.prompt_tokens("And for an empty list?"))[0]
+
+
+def test_a_checkpoint_with_free_cells_comes_back_to_its_own_cells(gemma4, gemma4_drafter):
+    """A checkpoint taken after the cache went back inside its window holds fewer cells than the cache has, and not
+    cell 0: restored, the answer after it is still a fresh engine's."""
+    e = engine(gemma4, gemma4_drafter)
+    ids = e.prompt_tokens(PROMPT * 6)
+    out = e.complete(ids, max_tokens=403).token_ids
+    floor = e.session.reuse_floor()
+    # wrapped, the oldest cell held off a lane boundary, and a cut before position 256, which holds cell 0
+    assert 0 < floor - 7 and (floor - 7) % 8 != 0 and floor + 10 < CELLS
+    # back inside the window held, a few new tokens: the checkpoint holds the positions from the oldest on, not the
+    # ones past the cut, which held cell 0
+    second = (ids + out)[: floor + 10] + e.prompt_tokens("Why?")
+    assert answer(e, second)[1] == floor + 10
+    e.complete(second, max_tokens=400, draft=False)
+    third = second + e.prompt_tokens("Say it again.")
+    warm, n_cached = answer(e, third)
+    assert n_cached == len(second) - 1
+    assert warm == answer(engine(gemma4, gemma4_drafter), third)[0]
+
+
 def test_truncating_below_the_window_held_is_refused(gemma4):
     e = engine(gemma4)
     e.complete(PROMPT, max_tokens=500, draft=False)

@@ -827,9 +827,10 @@ class Engine:
         the first generated token and the milliseconds the batches took."""
         s = self.session
         ms = 0.0
-        # a recurrent state cannot be cut back later: checkpoint it before the prompt's last token, where the next
-        # prompt that repeats or extends this one can start again (PromptCache.reusable)
-        ends = [len(ids) - 1, len(ids)] if s.recurrent and len(ids) - 1 > n_cached else [len(ids)]
+        # a recurrent state cannot be cut back later, nor a window cache past its window: checkpoint it before the
+        # prompt's last token, where the next prompt that repeats or extends this one can start again, whatever
+        # answer followed (a chat template that drops an answer's reasoning from the history; PromptCache.reusable)
+        ends = [len(ids) - 1, len(ids)] if s.checkpoints and len(ids) - 1 > n_cached else [len(ids)]
         off = n_cached
         for end in ends:
             while off < end:

@@ -28,16 +28,16 @@ class PromptCache:
         """How many leading tokens of the prompt `ids` can stay: the prefix shared with the cache, less at least one
         prompt token, whose logits give the first generated token; when drafting, only positions the drafters hold
         features of. A recurrent target's state exists only at the end of the cache and at its checkpoint; a
-        sliding-window cache holds a full window only from its reuse floor on."""
+        sliding-window cache holds a full window from its reuse floor on, and at its checkpoint."""
         n = min(self.shared(ids), len(ids) - 1)
         if drafter is not None:
             n = min(n, self.n_captured, drafter.context())
         if session is None or n == session.past(self.slot):
             return n
-        if session.recurrent:
+        if session.recurrent or n < session.reuse_floor(self.slot):
             ckpt = session.checkpoint_at(self.slot)
             n = ckpt if 0 < ckpt <= n else 0
-        return n if n >= session.reuse_floor(self.slot) else 0
+        return n
 
     def truncate(self, session, n: int) -> None:
         session.truncate(n, self.slot)
