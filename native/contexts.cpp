@@ -261,9 +261,11 @@ void Session::truncate(int n, int slot) {
                                     std::to_string(n));
     }
     if (n != 0 && n != sl.past && n < reuse_floor(slot) && n != sl.prompt_ckpt_pos) {
+        const std::string ckpt = sl.prompt_ckpt_pos > 0
+            ? " (and at its checkpoint " + std::to_string(sl.prompt_ckpt_pos) + ")" : "";
         throw std::invalid_argument("the sliding-window cache holds a full window from position " +
-                                    std::to_string(reuse_floor(slot)) + " on (and at its checkpoint " +
-                                    std::to_string(sl.prompt_ckpt_pos) + "), not at " + std::to_string(n));
+                                    std::to_string(reuse_floor(slot)) + " on" + ckpt + ", not at " +
+                                    std::to_string(n));
     }
     LogScope log(verbose);
     if (!keep(n, slot)) {
