@@ -202,20 +202,27 @@ class _Init:
         return (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32)
 
 
-def _add_layer(w, init: _Init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain, qk_norm=True):
+def _add_layer(w, init: _Init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain, qk_norm=True, layer_type=None):
     p = f"blk.{i}."
+
+    def matrix(name, a):  # layer_type (a gguf.GGMLQuantizationType) quantizes the layer's matrices
+        if layer_type is None:
+            w.add_tensor(p + name, a)
+        else:
+            w.add_tensor(p + name, gguf.quants.quantize(a, layer_type), raw_dtype=layer_type)
+
     w.add_tensor(p + "attn_norm.weight", init.norm(n_embd))
-    w.add_tensor(p + "attn_q.weight", init.linear(n_head * head_dim, n_embd))
-    w.add_tensor(p + "attn_k.weight", init.linear(n_head_kv * head_dim, n_embd))
-    w.add_tensor(p + "attn_v.weight", init.linear(n_head_kv * head_dim, n_embd))
-    w.add_tensor(p + "attn_output.weight", init.linear(n_embd, n_head * head_dim, gain))
+    matrix("attn_q.weight", init.linear(n_head * head_dim, n_embd))
+    matrix("attn_k.weight", init.linear(n_head_kv * head_dim, n_embd))
+    matrix("attn_v.weight", init.linear(n_head_kv * head_dim, n_embd))
+    matrix("attn_output.weight", init.linear(n_embd, n_head * head_dim, gain))
     if qk_norm:  # qwen3's, not llama's
         w.add_tensor(p + "attn_q_norm.weight", init.norm(head_dim))
         w.add_tensor(p + "attn_k_norm.weight", init.norm(head_dim))
     w.add_tensor(p + "ffn_norm.weight", init.norm(n_embd))
-    w.add_tensor(p + "ffn_gate.weight", init.linear(n_ff, n_embd))
-    w.add_tensor(p + "ffn_up.weight", init.linear(n_ff, n_embd))
-    w.add_tensor(p + "ffn_down.weight", init.linear(n_embd, n_ff, gain))
+    matrix("ffn_gate.weight", init.linear(n_ff, n_embd))
+    matrix("ffn_up.weight", init.linear(n_ff, n_embd))
+    matrix("ffn_down.weight", init.linear(n_embd, n_ff, gain))
 
 
 def _add_hparams(w, **shape):
@@ -226,12 +233,12 @@ def _add_hparams(w, **shape):
 def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv=2,
                       head_dim=16, n_ff=128, n_ctx_train=2048, vocab_size=VOCAB_SIZE,
                       chat_template: str | None = CHATML_TEMPLATE, eos=None, head_type=None, fim=False,
-                      arch="qwen3") -> Path:
+                      arch="qwen3", layer_type=None) -> Path:
     """Random-weight qwen3 (or arch="llama": no q/k norms) model with a real tiny BPE tokenizer; chat_template=None
     writes none. `eos` makes another
     token the end-of-generation token (the weights, so the logits, stay the same). head_type (a
-    gguf.GGMLQuantizationType) quantizes the token embeddings and the LM head. fim: the vocabulary has
-    fill-in-the-middle tokens (FIM_TOKENS)."""
+    gguf.GGMLQuantizationType) quantizes the token embeddings and the LM head, layer_type the layers' matrices. fim:
+    the vocabulary has fill-in-the-middle tokens (FIM_TOKENS)."""
     tok = build_tokenizer(vocab_size, (*SPECIAL_TOKENS, *(FIM_TOKENS if fim else ())))
     n_vocab = len(tok["tokens"])
     init = _Init(seed)
@@ -251,7 +258,8 @@ def write_tiny_target(path, *, seed=0, n_embd=64, n_layer=4, n_head=4, n_head_kv
         w.add_tensor("token_embd.weight",
                      vocab_rows(init.rng.standard_normal((n_vocab, n_embd)).astype(np.float32)), raw_dtype=head_type)
         for i in range(n_layer):
-            _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=2.0, qk_norm=arch == "qwen3")
+            _add_layer(w, init, i, n_embd, n_head, n_head_kv, head_dim, n_ff, gain=2.0, qk_norm=arch == "qwen3",
+                       layer_type=layer_type)
         w.add_tensor("output_norm.weight", init.norm(n_embd))
         # separate (untied) head: a tied head mostly predicts the input token again
         w.add_tensor("output.weight", vocab_rows(init.linear(n_vocab, n_embd, gain=4.0)), raw_dtype=head_type)

@@ -9,13 +9,18 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 import llama_cpp
+from dflash_local import Engine, _native
+from fixtures import write_tiny_drafter, write_tiny_target
+from lossless import assert_scripted_lossless
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(llama_cpp.__file__).parent.parent
-TYPES = ["q8_0", "q5_0", "q4_K", "q6_K"]
+TYPES = ["q8_0", "q5_0", "q4_1", "q4_K", "q6_K"]
 
 
 def cpu_flags() -> set[str]:
@@ -27,13 +32,13 @@ def cpu_flags() -> set[str]:
 
 
 # batch_dot.c's kernels (the build is -march=native): every type where vec_dot takes AVX2 with AVX512-VNNI lane sums,
-# q4_K and q6_K on other AVX2 CPUs, none elsewhere
+# q4_1, q4_K and q6_K on other AVX2 CPUs, none elsewhere
 AVX2 = {"avx2", "f16c", "fma"}
 VNNI = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 if VNNI <= cpu_flags() and "avx_vnni_int8" not in cpu_flags():
     KERNELS = TYPES
 else:
-    KERNELS = ["q4_K", "q6_K"] if AVX2 <= cpu_flags() else []
+    KERNELS = ["q4_1", "q4_K", "q6_K"] if AVX2 <= cpu_flags() else []
 
 
 def build_check(tmp_path_factory, source: str) -> Path:
@@ -98,3 +103,31 @@ def test_the_attention_benchmark_mode_runs(check_matmul):
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.fullmatch(r"decode step's attention, 4 heads, 4096 cells, 2 threads: K x Q \d+\.\d us, V x softmax "
                         r"\d+\.\d us", r.stdout.strip()), r.stdout
+
+
+def test_a_q4_1_target_verifies_with_a_one_token_decodes_bits(models_dir):
+    """SmolLM2-135M-Instruct's layer type end to end (its Q4_1 file: q4_1 layers, a q8_0 head): a tiny llama whose
+    layers are q4_1, random weights (flat logits, near ties everywhere). The first row of a step verifying 1..15
+    drafts has a plain step's logits bit for bit (the q4_1 tiles where this CPU has them: KERNELS), and scripted
+    drafts of every acceptance length give plain decoding's tokens."""
+    q4_1, q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    path = write_tiny_target(models_dir / "tiny-q4_1.gguf", arch="llama", layer_type=q4_1, head_type=q8_0)
+    assert {t.tensor_type for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and
+            t.name.endswith(("_q.weight", "_up.weight", "_down.weight"))} == {q4_1}
+    drafter = write_tiny_drafter(models_dir / "tiny-q4_1-drafter.gguf", path, target_layers=(1, 3))
+    e = Engine(path, drafter, n_ctx=512, draft_policy="fixed")
+    s, sp = e.session, _native.Sampling()
+    prompt = "def total(values):\n    result = 0\n"
+    e.cache.clear()  # the session is driven by hand
+    rows = []
+    for n in (0, 1, 4, 7, 15):
+        s.truncate(0)
+        last = s.prefill(e.prompt_tokens(prompt), sp, 0)
+        s.step(last, [last] * n, sp, 1)
+        rows.append(s.logits(0))
+    s.truncate(0)
+    for row in rows[1:]:
+        np.testing.assert_array_equal(row.view(np.uint32), rows[0].view(np.uint32))
+    e.cache.clear()
+    for p in (prompt, "The history of the printing press", "Q: river code?\nA:"):
+        assert_scripted_lossless(e, p, max_tokens=48)

@@ -20,10 +20,10 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 int main(int argc, char ** argv) {
     int bench = argc > 1 && !strcmp(argv[1], "bench");
     ggml_cpu_init();
-    enum ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q5_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    enum ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q5_0, GGML_TYPE_Q4_1, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
     int bad = 0;
     srand(1);
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < (int) (sizeof(types) / sizeof(types[0])); ++t) {
         enum ggml_type type = types[t];
         const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
         enum ggml_type vt = tw->vec_dot_type;
