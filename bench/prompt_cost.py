@@ -2,7 +2,7 @@
 as llama.cpp loads a model; no dflash-local session): a prompt decoded in chunks of 512 rows up to each depth, each
 chunk's tok/s, then the median time of a batch of k rows (every row an output) at that depth.
 
-    python bench/prompt_cost.py [MODEL.gguf] [--depths 64,4096] [--swa-full 1] [-t 2]
+    python bench/prompt_cost.py [MODEL.gguf] [--depths 64,4096] [--ks 1,2,4,8] [--swa-full 1] [-t 2]
 
 --swa-full 0 gives sliding-window layers a cache of their window only, as llama-server and dflash-local's sessions
 have it; 1 keeps the whole context there (the sessions before their window cache), and they attend over all of it.
@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a GGUF (default: the default target)")
     ap.add_argument("--depths", default="64,4096", help="context depths, comma-separated")
+    ap.add_argument("--ks", default="1,2,4,8", help="batch sizes k to time at each depth, comma-separated")
     ap.add_argument("--swa-full", type=int, default=0, choices=(0, 1))
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
@@ -70,7 +71,7 @@ def main() -> None:
                 chunks.append(round(512 / ms * 1000))
             pos += n
         costs = {}
-        for k in (1, 2, 4, 8):
+        for k in (int(x) for x in a.ks.split(",")):
             times = []
             for r in range(a.reps):
                 times.append(decode(list(range(2000 + r, 2000 + r + k)), depth, True))
