@@ -84,15 +84,17 @@ SGEMM_NEW = """    // dflash-local: only products whose bits do not depend on th
 """
 # tinyBLAS's q8_0-family tiles on AVX2 with 16 vector registers read 4 weight rows side by side, which the hardware
 # prefetchers follow poorly (gemma's LM head, 262144 x 640 q8_0, 2 rows: 31 ms against 15 for one row by vec_dot): a
-# prefetch 8 blocks ahead in each row (as batch_dot.c's tiles have; a hint, no bit changes); and an odd number of
-# columns went as 4x2 tiles plus a whole pass of 4x1 tiles for the last one, now the last three by 4x3 tiles (every
-# element is still one tinyBLAS sum, whatever its tile: check_matmul.c)
+# prefetch 8 blocks ahead in each row, as batch_dot.c's tiles have (a hint: no bit changes), on the rows' first tile
+# only (the next tiles of the same rows find them in cache; a prompt's 512 columns make 256 tiles of each 4 rows); and
+# an odd number of columns went as 4x2 tiles plus a whole pass of 4x1 tiles for the last one, now the last three by
+# 4x3 tiles (every element is still one tinyBLAS sum, whatever its tile: check_matmul.c)
 Q0_PREFETCH_ANCHOR = """            for (int64_t l = 0; l < k; ++l) {
                 uint64_t a_delta = ((uint64_t)A[lda * (ii + 3) + l].d << 48)"""
 Q0_PREFETCH_NEW = """            for (int64_t l = 0; l < k; ++l) {
-                // dflash-local: the 4 rows' blocks ahead (see patch_ggml.py)
-                for (int64_t i = 0; i < 4; ++i)
-                    _mm_prefetch((const char *)(A + lda * (ii + i) + l + 8), _MM_HINT_T0);
+                // dflash-local: the 4 rows' blocks ahead, on their first tile (see patch_ggml.py)
+                if (jj == n0)
+                    for (int64_t i = 0; i < 4; ++i)
+                        _mm_prefetch((const char *)(A + lda * (ii + i) + l + 8), _MM_HINT_T0);
                 uint64_t a_delta = ((uint64_t)A[lda * (ii + 3) + l].d << 48)"""
 Q0_ODD_ANCHOR = """#else
         case 0x44:
