@@ -12,7 +12,8 @@
 // Where vec_dot takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's), every type here is computed
 // in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most desktops: AMD Zen 2 and 3, Intel's
 // client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a 256-bit activation row at a time, the
-// weight's super-block unpacked once for all of them; q4_1 so on every CPU with AVX2 (q8_0 and q5_0 go to llamafile's sgemm there, README.md).
+// weight's super-block unpacked once for all of them, and q4_1 so on every CPU with AVX2 (q8_0 and q5_0 go to
+// llamafile's sgemm there, README.md).
 // Elsewhere dflash_batch_dot returns false and ggml calls vec_dot as before.
 
 #include "batch_dot.h"
@@ -99,10 +100,10 @@ static inline __m256i q6_K_chunk_scales(const q6_K_block * x, int c) {
 // vec_dot, per block of 32: acc[lane] = fma(x.d * y.d, float(lane sum of 4 products), acc[lane]), and a scalar sum of
 // x.m * y.s beside it; then hsum8(acc) + that sum. A lane's 4 products of 4-bit by 8-bit quants cannot overflow, so
 // maddubs + madd gives the integers vec_dot's dpbusd gives on VNNI CPUs. A few weight rows at a time are unpacked once
-// (into `qx`, on the stack) for all activation rows, and each activation block is read once for them.
-// 4 weight rows a time: against 16 activation rows of 2048 columns, 1.05x the time of 2, 1.25x that of 1 (best of 4
-// runs of `check_batch_dot bench` on the 2-core EPYC, AVX2)
-enum { Q4_1_ROWS = 4, Q4_1_MAX_BLOCKS = 1024 };  // rows of up to 32768 columns: 80 KB of unpacked weights on the stack
+// (into `qx`, on the stack) for all activation rows, and each activation block is read once for them. 4 weight rows a
+// time: against 16 activation rows of 2048 columns, 0.94x the time of 2 or of 1 a time (best of 4 runs of
+// `check_batch_dot bench` on the 2-core EPYC, AVX2).
+enum { Q4_1_ROWS = 4, Q4_1_MAX_BLOCKS = 1024 };  // rows of up to 32768 columns: 160 KB of unpacked weights on the stack
 
 static inline void q4_1_unpack(const q4_1_block * x, int nb, __m256i * qx, float * xd, float * xm) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
