@@ -691,7 +691,8 @@ def test_a_prompt_decoded_in_slices_is_the_same_as_in_one_batch(tiny_target, tin
 
 def test_a_long_prompt_beside_a_stream_goes_a_slice_per_round(tiny_target, tiny_drafter):
     """While another slot streams, the runner decodes a prompt that fits one batch a slice per round (the stream
-    steps in between: /slots shows the prompt's progress); on an idle runner it goes in one batch. Both outputs are
+    steps in between: /slots shows the prompt's progress), without giving up the stream's round in flight for it (a
+    prompt longer than a slice waits for the next round); on an idle runner it goes in one batch. Both outputs are
     their requests' run alone."""
     import asyncio
 
@@ -731,10 +732,11 @@ def test_a_long_prompt_beside_a_stream_goes_a_slice_per_round(tiny_target, tiny_
         if streaming:
             await stream
         runner.close()
-        return events, long_events, progress - {0, n_prompt}
+        return events, long_events, progress - {0, n_prompt}, runner.interrupted
 
-    stream_events, beside, progress = asyncio.run(run(True))
+    stream_events, beside, progress, interrupted = asyncio.run(run(True))
     assert progress  # the prompt was seen part-way, a slice per round
-    _, alone, _ = asyncio.run(run(False))
+    assert interrupted == 0
+    _, alone, _, _ = asyncio.run(run(False))
     assert beside[-1].token_ids == alone[-1].token_ids == single.complete(long, max_tokens=8).token_ids
     assert stream_events[-1].token_ids == single.complete("Hello world", max_tokens=300).token_ids

@@ -1,27 +1,27 @@
 """Runs engine generations in the engine's slots, in a worker thread, for asyncio callers (the server).
 
 A request takes a free slot (the one whose cached tokens share the longest prefix with its prompt, as llama-server
-picks one) or waits in a bounded FIFO queue. The worker runs rounds: every running generation goes on to its next
-step (or through one slice of its prompt: a whole batch when nothing else runs, else about as long as the others'
-step, so a long prompt does not stop their streams); the slots' drafts from the engine's drafter are made together
+picks one) or waits in a bounded FIFO queue. The worker runs rounds: every running generation goes on to its next step
+(or through one slice of its prompt: a whole batch when nothing else runs, else about as long as the others' step, so
+a long prompt does not stop their streams); the slots' drafts from the engine's drafter are made together
 (Engine.draft_many: one drafter decode for the blocks of one length), then all their steps run in one target decode
-(Engine.step_many). A
-request that arrives while others stream starts at the next round instead of after they end, and each
-slot's output is that of the request run alone (engine.py). On a CPU a round's decode can take longer than a prompt
-(8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take interrupts it if it
-has only begun (Engine.interrupt), its prompt goes first, and the round runs again. A caller that goes away sets its
-job's cancel flag, and so does a caller that leaves its events unread for `timeout` seconds (a client that stopped
-reading its stream: its socket's buffers are full); the worker stops that generation before its next step and frees
-the slot. A request may ask for a slot (llama-server's id_slot): it waits for that one, letting others by. When the
-last generation ends and nobody waits, the worker gives the memory of the burst's batches back (Engine.trim). close()
-stops the worker after its round in flight (at the server's shutdown, and at the interpreter's exit): a thread still
-inside llama.cpp when Python finalizes would take the process down with it.
+(Engine.step_many). A request that arrives while others stream starts at the next round instead of after they end, and
+each slot's output is that of the request run alone (engine.py). On a CPU a round's decode can take longer than a
+prompt (8 rows of 4 slots, 0.15-0.2 s for gemma-3-270m on 2 cores): a request that a free slot can take, and whose
+prompt fits in one slice, interrupts it if it has only begun (Engine.interrupt), its prompt goes first, and the round
+runs again. A caller that goes away sets its job's cancel flag, and so does a caller that leaves its events unread for
+`timeout` seconds (a client that stopped reading its stream: its socket's buffers are full); the worker stops that
+generation before its next step and frees the slot. A request may ask for a slot (llama-server's id_slot): it waits
+for that one, letting others by. When the last generation ends and nobody waits, the worker gives the memory of the
+burst's batches back (Engine.trim). close() stops the worker after its round in flight (at the server's shutdown, and
+at the interpreter's exit): a thread still inside llama.cpp when Python finalizes would take the process down with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import statistics
 import threading
 import time
 import weakref
@@ -115,7 +115,7 @@ class Runner:
         self._again: list[StepRequest] = []  # the steps of an interrupted round, to run in the next one
         self.interrupted = 0  # rounds interrupted so far (/metrics)
         self._last_used = [0] * len(engine.slots)
-        self._step_ms: float | None = None  # the streams' last decode (drafts and step), a running mean
+        self._step_ms: deque[float] = deque(maxlen=9)  # the streams' last decodes (drafts and step)
         self._prompt_ms: float | None = None  # milliseconds per prompt token, a running mean
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -144,7 +144,7 @@ class Runner:
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
-            if self._free_for(job):  # a slot can take it now: its prompt goes before the round
+            if self._short(job):  # a slot can take it now and decode its prompt in one slice: it goes first
                 self.engine.interrupt()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="dflash-generate", daemon=True)
@@ -296,8 +296,7 @@ class Runner:
             return
         for q, r in zip(requests, results):
             self._results[q.slot] = r
-        ms = (time.perf_counter() - t0) * 1000
-        self._step_ms = ms if self._step_ms is None else 0.5 * (self._step_ms + ms)
+        self._step_ms.append((time.perf_counter() - t0) * 1000)
 
     def _decoding(self, slot: int) -> bool:
         """The slot's generation is past its prompt."""
@@ -305,12 +304,23 @@ class Runner:
         return slot in self._running and task.n_prompt_done >= task.n_prompt
 
     def _prompt_slice(self) -> int:
-        """Prompt tokens a prefilling slot may decode in a round while others stream: about as long as their step, so
-        their gap between tokens stays within about twice the usual (issue #37), never under MIN_SLICE tokens; a
-        long prompt then takes about twice as long as alone. Before both times are measured, MIN_SLICE."""
-        if self._step_ms is None or self._prompt_ms is None:
+        """Prompt tokens a prefilling slot may decode in a round while others stream: about as long as their usual
+        step (the median of the last ones: a step that verified a long draft must not size the next slice), so their
+        gap between tokens stays within about twice the usual (issue #37), never under MIN_SLICE tokens; a long
+        prompt then takes about twice as long as alone. Before both times are measured, MIN_SLICE."""
+        if not self._step_ms or self._prompt_ms is None:
             return MIN_SLICE
-        return max(MIN_SLICE, int(self._step_ms / self._prompt_ms))
+        return max(MIN_SLICE, int(statistics.median(self._step_ms) / self._prompt_ms))
+
+    def _short(self, job: Job) -> bool:
+        """A free slot can take the job and what its cache lacks of the prompt fits in one slice. Only then is the
+        round in flight given up for it: a long prompt goes a slice per round anyway, and giving up a round would
+        add to the streams' gap."""
+        free = self._free_for(job)
+        ids = job.generation.ids
+        if not free:
+            return False
+        return len(ids) - max(self.engine.slots[i].cache.shared(ids) for i in free) <= self._prompt_slice()
 
     def _advance(self, slot: int) -> StepRequest | DraftRequest | None:
         """Run the slot's generation up to its next step or draft (handing its events to the caller), or through one
