@@ -316,11 +316,10 @@ class Runner:
         """A free slot can take the job and what its cache lacks of the prompt fits in one slice. Only then is the
         round in flight given up for it: a long prompt goes a slice per round anyway, and giving up a round would
         add to the streams' gap."""
-        free = self._free_for(job)
-        ids = job.generation.ids
-        if not free:
+        if not self._free_for(job):
             return False
-        return len(ids) - max(self.engine.slots[i].cache.shared(ids) for i in free) <= self._prompt_slice()
+        ids = job.generation.ids
+        return len(ids) - self.engine.slots[self._pick_slot(job)].cache.shared(ids) <= self._prompt_slice()
 
     def _advance(self, slot: int) -> StepRequest | DraftRequest | None:
         """Run the slot's generation up to its next step or draft (handing its events to the caller), or through one
