@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--swa-full", type=int, default=0, choices=(0, 1))
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("-fa", "--flash-attn", type=int, default=0, choices=(0, 1))
+    ap.add_argument("-ctk", "--cache-type-k", default="f16", choices=("f16", "q8_0"))
+    ap.add_argument("-ctv", "--cache-type-v", default="f16", choices=("f16", "q8_0"))
     a = ap.parse_args()
     depths = [int(d) for d in a.depths.split(",")]
     if a.model is None:
@@ -41,7 +44,9 @@ def main() -> None:
     cp.n_ctx = max(depths) + 1024
     cp.n_batch = cp.n_ubatch = 512
     cp.n_threads = cp.n_threads_batch = a.threads
-    cp.flash_attn_type = 0
+    cp.flash_attn_type = a.flash_attn
+    cp.type_k, cp.type_v = (L.GGML_TYPE_F16 if t == "f16" else L.GGML_TYPE_Q8_0
+                            for t in (a.cache_type_k, a.cache_type_v))
     cp.swa_full = bool(a.swa_full)
     ctx = L.llama_init_from_model(m, cp)
     mem = L.llama_get_memory(ctx)
@@ -61,7 +66,7 @@ def main() -> None:
         return dt * 1000
 
     print(L.llama_print_system_info().decode().strip())
-    print(f"{model}: {a.threads} threads, swa_full {a.swa_full}")
+    print(f"{model}: {a.threads} threads, swa_full {a.swa_full}, -fa {a.flash_attn}, -ctk {a.cache_type_k} -ctv {a.cache_type_v}")
     for depth in depths:
         pos, chunks = 0, []
         while pos < depth:

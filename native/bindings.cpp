@@ -51,6 +51,8 @@ PYBIND11_MODULE(_native, m) {
     m.def("sgemm_built_in", &sgemm_built_in, "Whether this llama.cpp has llamafile's sgemm (GGML_LLAMAFILE).");
     m.def("sgemm_skips_one_row", &sgemm_skips_one_row,
           "Whether its sgemm leaves a row alone to vec_dot, as upstream's does (setup.sh's keeps it invariant).");
+    m.def("cpu_flash_attn_batch_invariant", &flash_attn_batch_invariant,
+          "Whether CPU flash attention gives a row the same bits whatever the batch (setup.sh's build).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("supports_rpc", []() { return llama_supports_rpc(); });
     m.def("add_rpc_server", &add_rpc_server, py::arg("endpoint"),

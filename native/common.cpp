@@ -10,8 +10,9 @@
 #if defined(__APPLE__)
 #include <dlfcn.h>
 #elif defined(__ELF__)
-// defined by the sgemm of setup.sh's build (native/ggml/patch_ggml.py); null elsewhere
+// defined by the sgemm and the flash attention of setup.sh's build (native/ggml/patch_ggml.py); null elsewhere
 extern "C" __attribute__((weak)) bool dflash_sgemm_batch_invariant(void);
+extern "C" __attribute__((weak)) bool dflash_flash_attn_batch_invariant(void);
 #endif
 
 static thread_local LogScope * t_scope = nullptr;
@@ -140,5 +141,17 @@ bool sgemm_skips_one_row() {
     return sgemm_built_in() && dflash_sgemm_batch_invariant == nullptr;
 #else
     return sgemm_built_in();
+#endif
+}
+
+// Whether ggml's CPU flash attention computes every batch row by row, as setup.sh's build does: upstream's splits a
+// one-token step's cache across threads and tiles large batches, each rounding differently.
+bool flash_attn_batch_invariant() {
+#if defined(__APPLE__)
+    return dlsym(RTLD_DEFAULT, "dflash_flash_attn_batch_invariant") != nullptr;
+#elif defined(__ELF__)
+    return dflash_flash_attn_batch_invariant != nullptr;
+#else
+    return false;
 #endif
 }

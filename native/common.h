@@ -76,6 +76,7 @@ llama_batch_ext * new_batch(llama_context * ctx);
 double ms_since(std::chrono::steady_clock::time_point t0);
 bool sgemm_built_in();
 bool sgemm_skips_one_row();
+bool flash_attn_batch_invariant();
 
 // llama.cpp's RPC backend (rpc.cpp)
 int add_rpc_server(const std::string & endpoint);

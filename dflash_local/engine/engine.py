@@ -285,7 +285,7 @@ class Engine:
         # Greedy verification reproduces plain decoding bit for bit only when every kernel rounds a verify batch row
         # exactly as it rounds a single token (see docs/lossless.md)
         self.bit_exact = (
-            placement.fa == "off"
+            (placement.fa == "off" or _native.cpu_flash_attn_batch_invariant())
             and not placement.repack
             and placement.n_gpu_layers == 0
             and _native.cpu_matmul_batch_invariant()

@@ -130,6 +130,24 @@ extern "C" bool dflash_sgemm_batch_invariant(void) { return true; }
 """
 SOURCES_ANCHOR = "        ggml-cpu/quants.c\n"
 
+# ggml's CPU flash attention computes a row by one of three paths, chosen by the batch: a one-token step over 512 cells
+# or more splits the cache across threads and merges their partial sums, 32 rows or more go through its tiled kernel,
+# and other batches run the one-row kernel. Each rounds differently, so a verify row or a prompt chunk's row would not
+# have a decode step's bits. The one-row kernel sums a row's cells in cell order, skipping masked ones, with nothing
+# that depends on the other rows: every batch now goes through it, and -fa on (with a quantized KV cache) keeps
+# verification exact. The marker tells dflash-local so
+FA_ANCHOR = """    // When use_ref is set, force the vec-only reference implementation (no tiling, no KV-chunking)
+    const bool use_ref = params->use_ref;
+"""
+FA_NEW = """    // dflash-local: every batch by the one-row kernel, whose bits do not depend on the batch (see patch_ggml.py)
+    const bool use_ref = true;
+"""
+FA_DEF_ANCHOR = "void ggml_compute_forward_flash_attn_ext(\n"
+FA_MARKER = """// dflash-local: flash attention gives a row the same bits whatever the batch (see patch_ggml.py)
+extern "C" bool dflash_flash_attn_batch_invariant(void) { return true; }
+
+"""
+
 
 def replace_once(text: str, anchor: str, new: str, where: Path) -> str:
     if text.count(anchor) != 1:
@@ -153,15 +171,19 @@ def main(sdist: Path) -> None:
     g = replace_once(g, SGEMM_DEF_ANCHOR, SGEMM_MARKER + SGEMM_DEF_ANCHOR, sgemm)
     g = replace_once(g, Q0_PREFETCH_ANCHOR, Q0_PREFETCH_NEW, sgemm)
     g = replace_once(g, Q0_ODD_ANCHOR, Q0_ODD_NEW, sgemm)
+    ops = cpu / "ops.cpp"
+    o = replace_once(ops.read_text(), FA_ANCHOR, FA_NEW, ops)
+    o = replace_once(o, FA_DEF_ANCHOR, FA_MARKER + FA_DEF_ANCHOR, ops)
     cmake = cpu / "CMakeLists.txt"
     m = replace_once(cmake.read_text(), SOURCES_ANCHOR, SOURCES_ANCHOR + "        ggml-cpu/batch_dot.c\n", cmake)
     for name in ("batch_dot.c", "batch_dot.h"):
         shutil.copyfile(HERE / name, cpu / name)
     (cpu / "ggml-cpu.c").write_text(c)
     sgemm.write_text(g)
+    ops.write_text(o)
     cmake.write_text(m)
     print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products and given "
-          "a cache slice's heads at once, its q8_0-family tiles prefetching")
+          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention row by row")
 
 
 if __name__ == "__main__":
