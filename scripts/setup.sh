@@ -58,7 +58,8 @@ flags_diff() {
 # wheels are kept per CMake arguments, batch-invariant kernels (native/ggml/, added to ggml's CPU matmul), our fix to
 # llama.cpp's KV cache (native/llama/) and CPU, so
 # those for several CPUs can live side by side in .wheels/
-kernels=$({ cat native/ggml/batch_dot.c native/ggml/batch_dot.h native/ggml/patch_ggml.py native/llama/patch_llama.py \
+kernels=$({ cat native/ggml/batch_dot.c native/ggml/batch_dot.h native/ggml/flash_attn.c native/ggml/flash_attn.h \
+    native/ggml/patch_ggml.py native/llama/patch_llama.py \
     2>/dev/null || true; } | sha1sum)
 key=$(printf '%s %s' "$LLAMA_CMAKE_ARGS" "$kernels" | sha1sum | cut -c1-12)
 wheels=".wheels/llama-$key-$(printf '%s\n' "$flags" | sha1sum | cut -c1-8)"

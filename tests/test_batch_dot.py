@@ -105,6 +105,29 @@ def test_the_attention_benchmark_mode_runs(check_matmul):
                         r"\d+\.\d us", r.stdout.strip()), r.stdout
 
 
+@pytest.fixture(scope="module")
+def check_flash_attn(tmp_path_factory) -> Path:
+    """native/ggml/check_flash_attn.c (ggml's own flash attention, whatever kernel it has)."""
+    return build_check(tmp_path_factory, "check_flash_attn.c")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flash_attention_gives_a_row_its_bits_whatever_the_batch(check_flash_attn, threads):
+    """Through ggml's graph: batches of 2..512 query rows over f16 and q8_0 caches (causal and sliding-window masks,
+    grouped-query heads, a soft cap) give every row the bits of the row alone over a cache that ends at its cell, and
+    agree with a double-precision softmax to 1e-4. Upstream's kernel fails it (its decode steps split the cache across
+    threads, its batches of 32 rows or more are tiled, and it accumulates in f16)."""
+    r = subprocess.run([str(check_flash_attn), str(threads)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr
+
+
+def test_the_flash_attention_benchmark_mode_runs(check_flash_attn):
+    r = subprocess.run([str(check_flash_attn), "2", "bench"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.fullmatch(r"flash attention, 4 heads of 256, 4096 cells, 2 threads: a decode step \d+\.\d us, a "
+                        r"512-row chunk \d+\.\d ms", r.stdout.strip()), r.stdout
+
+
 def test_a_q4_1_target_verifies_with_a_one_token_decodes_bits(models_dir):
     """SmolLM2-135M-Instruct's layer type end to end (its Q4_1 file: q4_1 layers, a q8_0 head): a tiny llama whose
     layers are q4_1, random weights (flat logits, near ties everywhere). The first row of a step verifying 1..15

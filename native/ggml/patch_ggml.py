@@ -1,7 +1,7 @@
-"""Add batch_dot.c to the llama.cpp vendored in an unpacked llama-cpp-python sdist (scripts/setup.sh runs this before
-building the wheel): the file goes into ggml-cpu's sources, and ggml's matmul hands it each tile of two rows or more
-before calling vec_dot per element; llamafile's sgemm (where the build has it) takes only products whose bits do not
-depend on the number of rows. Every anchor must match this llama.cpp exactly; anything else is an error, so a
+"""Add batch_dot.c and flash_attn.c to the llama.cpp vendored in an unpacked llama-cpp-python sdist (scripts/setup.sh
+runs this before building the wheel): the files go into ggml-cpu's sources, ggml's matmul hands batch_dot.c each tile
+of two rows or more before calling vec_dot per element, and its flash attention goes to flash_attn.c; llamafile's
+sgemm (where the build has it) takes only products whose bits do not depend on the number of rows. Every anchor must match this llama.cpp exactly; anything else is an error, so a
 changed llama.cpp is never patched half-way.
 
     python native/ggml/patch_ggml.py SDIST_DIR
@@ -133,20 +133,29 @@ SOURCES_ANCHOR = "        ggml-cpu/quants.c\n"
 # ggml's CPU flash attention computes a row by one of three paths, chosen by the batch: a one-token step over 512 cells
 # or more splits the cache across threads and merges their partial sums, 32 rows or more go through its tiled kernel,
 # and other batches run the one-row kernel. Each rounds differently, so a verify row or a prompt chunk's row would not
-# have a decode step's bits. The one-row kernel sums a row's cells in cell order, skipping masked ones, with nothing
-# that depends on the other rows: every batch now goes through it, and -fa on (with a quantized KV cache) keeps
-# verification exact. The marker tells dflash-local so
-FA_ANCHOR = """    // When use_ref is set, force the vec-only reference implementation (no tiling, no KV-chunking)
+# have a decode step's bits. flash_attn.c computes every batch with the same operations per row (cells in blocks at
+# fixed indices; rows and heads share only loads), and where it has no kernel every batch goes through the one-row
+# kernel, whose bits do not depend on the batch either. flash_attn.c's marker tells dflash-local that -fa on keeps
+# verification exact
+FA_ANCHOR = """static void ggml_compute_forward_flash_attn_ext_f16(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+"""
+FA_CALL = """static void ggml_compute_forward_flash_attn_ext_f16(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+    // dflash-local: the same bits for a row whatever the batch (flash_attn.c, patch_ggml.py)
+    if (dflash_flash_attn(params, dst)) {
+        return;
+    }
+"""
+FA_REF_ANCHOR = """    // When use_ref is set, force the vec-only reference implementation (no tiling, no KV-chunking)
     const bool use_ref = params->use_ref;
 """
-FA_NEW = """    // dflash-local: every batch by the one-row kernel, whose bits do not depend on the batch (see patch_ggml.py)
+FA_REF_NEW = """    // dflash-local: every batch by the one-row kernel, whose bits do not depend on the batch (see patch_ggml.py)
     const bool use_ref = true;
 """
-FA_DEF_ANCHOR = "void ggml_compute_forward_flash_attn_ext(\n"
-FA_MARKER = """// dflash-local: flash attention gives a row the same bits whatever the batch (see patch_ggml.py)
-extern "C" bool dflash_flash_attn_batch_invariant(void) { return true; }
-
-"""
+OPS_INCLUDE_ANCHOR = '#include "vec.h"\n'
 
 
 def replace_once(text: str, anchor: str, new: str, where: Path) -> str:
@@ -172,11 +181,13 @@ def main(sdist: Path) -> None:
     g = replace_once(g, Q0_PREFETCH_ANCHOR, Q0_PREFETCH_NEW, sgemm)
     g = replace_once(g, Q0_ODD_ANCHOR, Q0_ODD_NEW, sgemm)
     ops = cpu / "ops.cpp"
-    o = replace_once(ops.read_text(), FA_ANCHOR, FA_NEW, ops)
-    o = replace_once(o, FA_DEF_ANCHOR, FA_MARKER + FA_DEF_ANCHOR, ops)
+    o = replace_once(ops.read_text(), OPS_INCLUDE_ANCHOR, OPS_INCLUDE_ANCHOR + '#include "flash_attn.h"\n', ops)
+    o = replace_once(o, FA_ANCHOR, FA_CALL, ops)
+    o = replace_once(o, FA_REF_ANCHOR, FA_REF_NEW, ops)
     cmake = cpu / "CMakeLists.txt"
-    m = replace_once(cmake.read_text(), SOURCES_ANCHOR, SOURCES_ANCHOR + "        ggml-cpu/batch_dot.c\n", cmake)
-    for name in ("batch_dot.c", "batch_dot.h"):
+    m = replace_once(cmake.read_text(), SOURCES_ANCHOR,
+                     SOURCES_ANCHOR + "        ggml-cpu/batch_dot.c\n        ggml-cpu/flash_attn.c\n", cmake)
+    for name in ("batch_dot.c", "batch_dot.h", "flash_attn.c", "flash_attn.h"):
         shutil.copyfile(HERE / name, cpu / name)
     (cpu / "ggml-cpu.c").write_text(c)
     sgemm.write_text(g)
