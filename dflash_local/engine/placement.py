@@ -42,7 +42,7 @@ class Placement:
     n_threads_batch: int | None = None  # None: n_threads
     n_batch: int = 512
     n_ubatch: int = 512
-    flash_attn: str | None = None  # None: off with the target on the CPU (prompts run faster), else auto
+    flash_attn: str | None = None  # None: off with the target on the CPU (exact either way, no faster), else auto
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     cache_type_k_draft: str | None = None  # None: f16 with the drafter on a GPU, else f32 (bit-exact drafting)
@@ -280,8 +280,8 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch of the target (default 512, at most -b)")
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=list(FLASH_ATTN), metavar="on|off|auto",
-                   help="flash attention (default: off with the target on the CPU, where prompts run faster without "
-                        "it and both are exact with setup.sh's build; auto with -ngl). Needed for a quantized V cache")
+                   help="flash attention (default: off with the target on the CPU, where it is no faster; exact either "
+                        "way with setup.sh's build; auto with -ngl). Needed for a quantized V cache")
     types = ", ".join(CACHE_TYPES)
     g.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
                    help=f"target K cache type: {types} (default f16)")

@@ -186,6 +186,50 @@ static int64_t unit_pairs(const struct attn * a, int64_t u, struct pair * pairs,
     return np;
 }
 
+// a pair's block: scores scaled, capped and masked in place, the running maximum and sum updated; the rescale of its
+// output (alpha) and the block's probabilities e (masked cells 0). False where the block has no cell for the pair
+static bool probabilities(const struct attn * a, const struct pair * pr, int64_t c0, int nc, float * s,
+                          float * run_max, float * run_sum, float * alpha, float * e) {
+    float block_max = -INFINITY;
+    for (int c = 0; c < nc; c++) {
+        const float mv = pr->mask ? pr->slope * GGML_CPU_FP16_TO_FP32(pr->mask[c0 + c]) : 0.0f;
+        if (mv == -INFINITY) {
+            s[c] = -INFINITY;
+            continue;
+        }
+        float x = s[c] * a->scale;
+        if (a->softcap != 0.0f) {
+            x = a->softcap * tanhf(x);
+        }
+        s[c] = x + mv;
+        block_max = s[c] > block_max ? s[c] : block_max;
+    }
+    if (block_max == -INFINITY) {
+        return false;
+    }
+    const float new_max = *run_max > block_max ? *run_max : block_max;
+    *alpha = expf(*run_max - new_max);  // 0 at the first block
+    // exp(s - new_max), 8 cells at a time, each lane on its own
+    int c = 0;
+    for (; c + 8 <= nc; c += 8)
+        _mm256_storeu_ps(e + c, ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(new_max))));
+    for (; c < nc; c++) {
+        float lane[8] = {s[c] - new_max};
+        _mm256_storeu_ps(lane, ggml_v_expf(_mm256_loadu_ps(lane)));
+        e[c] = lane[0];
+    }
+    float block_sum = 0.0f;
+    for (c = 0; c < nc; c++) {
+        if (s[c] == -INFINITY) {
+            e[c] = 0.0f;
+        }
+        block_sum += e[c];
+    }
+    *run_sum = *run_sum * *alpha + block_sum;
+    *run_max = new_max;
+    return true;
+}
+
 // the cells [c_begin, c_end) (whole blocks but the cache's last) for np pairs of K/V head kvh, from state st;
 // scratch: FA_CELLS * (dk + dv + np + 1) floats
 static void attend_cells(const struct attn * a, const struct pair * pairs, int64_t np, int64_t kvh, int64_t iq3,
@@ -233,50 +277,15 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
             else         block_dots(two, false, qs, kr, nc, dk, s);
         }
 
+        // probabilities and value rows, pair by pair
         for (int64_t i = 0; i < nl; i++) {
-            const struct pair * pr = &pairs[idx[i]];
-            float * s = sc + i * FA_CELLS;
-            float block_max = -INFINITY;
-            for (int c = 0; c < nc; c++) {
-                const float mv = pr->mask ? pr->slope * GGML_CPU_FP16_TO_FP32(pr->mask[c0 + c]) : 0.0f;
-                if (mv == -INFINITY) {
-                    s[c] = -INFINITY;
-                    continue;
-                }
-                float x = s[c] * a->scale;
-                if (a->softcap != 0.0f) {
-                    x = a->softcap * tanhf(x);
-                }
-                s[c] = x + mv;
-                block_max = s[c] > block_max ? s[c] : block_max;
-            }
-            if (block_max == -INFINITY) {
+            const int64_t p = idx[i];
+            float e[FA_CELLS], alpha;
+            if (!probabilities(a, &pairs[p], c0, nc, sc + i * FA_CELLS, &st.max[p], &st.sum[p], &alpha, e)) {
                 continue;
             }
-            float * run_max = &st.max[idx[i]], * run_sum = &st.sum[idx[i]];
-            const float new_max = *run_max > block_max ? *run_max : block_max;
-            const float alpha = expf(*run_max - new_max);  // 0 at the first block
-            // probabilities: exp(s - new_max), 8 cells at a time, each lane on its own; masked cells 0
-            float e[FA_CELLS];
-            int c = 0;
-            for (; c + 8 <= nc; c += 8)
-                _mm256_storeu_ps(e + c, ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(new_max))));
-            for (; c < nc; c++) {
-                float lane[8] = {s[c] - new_max};
-                _mm256_storeu_ps(lane, ggml_v_expf(_mm256_loadu_ps(lane)));
-                e[c] = lane[0];
-            }
-            float block_sum = 0.0f;
-            for (c = 0; c < nc; c++) {
-                if (s[c] == -INFINITY) {
-                    e[c] = 0.0f;
-                }
-                block_sum += e[c];
-            }
-            *run_sum = *run_sum * alpha + block_sum;
-            *run_max = new_max;
-            if (vr.half) add_values(true, st.out + idx[i] * dv, alpha, e, vr, nc, dv);
-            else         add_values(false, st.out + idx[i] * dv, alpha, e, vr, nc, dv);
+            if (vr.half) add_values(true, st.out + p * dv, alpha, e, vr, nc, dv);
+            else         add_values(false, st.out + p * dv, alpha, e, vr, nc, dv);
         }
     }
 }

@@ -194,7 +194,7 @@ def main(sdist: Path) -> None:
     ops.write_text(o)
     cmake.write_text(m)
     print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products and given "
-          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention row by row")
+          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention by flash_attn.c")
 
 
 if __name__ == "__main__":
