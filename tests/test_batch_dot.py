@@ -87,22 +87,30 @@ def check_matmul(tmp_path_factory) -> Path:
     return build_check(tmp_path_factory, "check_matmul.c")
 
 
+def assert_all_identical(checker: Path, threads: int) -> None:
+    r = subprocess.run([str(checker), str(threads)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr
+
+
+def assert_bench_line(checker: Path, pattern: str) -> None:
+    r = subprocess.run([str(checker), "2", "bench"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.fullmatch(pattern, r.stdout.strip()), r.stdout
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ggmls_matmul_gives_a_row_its_bits_whatever_the_batch(check_matmul, threads):
     """The invariant exactness rests on, end to end through ggml's graph: products of 2..512 rows (prompt chunks,
     verify blocks) give every row the bits of its product alone (a one-token decode), for float, q8_0-family and
     K-quant weights and the attention's shape, whichever kernel ggml picks (setup.sh's sgemm, batch_dot, vec_dot).
     Upstream's sgemm fails it: its f32, f16, bf16 and iq4_nl rows differ from the row alone."""
-    r = subprocess.run([str(check_matmul), str(threads)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr
+    assert_all_identical(check_matmul, threads)
 
 
 def test_the_attention_benchmark_mode_runs(check_matmul):
     """check_matmul THREADS bench: a decode step's two attention products at 4096 cells, timed (docs/measurements.md)."""
-    r = subprocess.run([str(check_matmul), "2", "bench"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert re.fullmatch(r"decode step's attention, 4 heads, 4096 cells, 2 threads: K x Q \d+\.\d us, V x softmax "
-                        r"\d+\.\d us", r.stdout.strip()), r.stdout
+    assert_bench_line(check_matmul, r"decode step's attention, 4 heads, 4096 cells, 2 threads: K x Q \d+\.\d us, "
+                                    r"V x softmax \d+\.\d us")
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +125,13 @@ def test_flash_attention_gives_a_row_its_bits_whatever_the_batch(check_flash_att
     grouped-query heads, a soft cap) give every row the bits of the row alone over a cache that ends at its cell, and
     agree with a double-precision softmax to 1e-4. Upstream's kernel fails it (its decode steps split the cache across
     threads, its batches of 32 rows or more are tiled, and it accumulates in f16)."""
-    r = subprocess.run([str(check_flash_attn), str(threads)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "all identical", r.stdout + r.stderr
+    assert_all_identical(check_flash_attn, threads)
 
 
 def test_the_flash_attention_benchmark_mode_runs(check_flash_attn):
-    r = subprocess.run([str(check_flash_attn), "2", "bench"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert re.fullmatch(r"flash attention, 4 heads of 256, 4096 cells, 2 threads: a decode step \d+\.\d us, a "
-                        r"512-row chunk \d+\.\d ms", r.stdout.strip()), r.stdout
+    """check_flash_attn THREADS bench: a decode step and a prompt chunk at 4096 cells, timed (docs/measurements.md)."""
+    assert_bench_line(check_flash_attn, r"flash attention, 4 heads of 256, 4096 cells, 2 threads: a decode step "
+                                        r"\d+\.\d us, a 512-row chunk \d+\.\d ms")
 
 
 def test_a_q4_1_target_verifies_with_a_one_token_decodes_bits(models_dir):
