@@ -1,6 +1,6 @@
 """native/ggml/patch_ggml.py, which scripts/setup.sh runs on the llama-cpp-python 0.3.36 sdist before building it:
-the real ggml-cpu sources of that sdist get batch_dot.c in their matmul and their build and llamafile's sgemm keeps to
-batch-invariant products, and a tree it was not written for (an anchor changed) or one patched already is refused with
+the real ggml-cpu sources of that sdist get batch_dot.c in their matmul, flash_attn.c in their flash attention and both
+in their build, and llamafile's sgemm keeps to batch-invariant products, and a tree it was not written for (an anchor changed) or one patched already is refused with
 one line, nothing written."""
 
 import os
@@ -15,12 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "native" / "ggml" / "patch_ggml.py"
 CPU = "vendor/llama.cpp/ggml/src/ggml-cpu"
-FILES = ("ggml-cpu.c", "CMakeLists.txt", "llamafile/sgemm.cpp")
+FILES = ("ggml-cpu.c", "CMakeLists.txt", "llamafile/sgemm.cpp", "ops.cpp")
 
 
 @pytest.fixture
 def sdist(tmp_path, request) -> Path:
-    """An sdist-shaped tree holding the three files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
+    """An sdist-shaped tree holding the four files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
     source tree given in $DFLASH_LLAMA_CPP_SRC, or the sdist itself."""
     root = tmp_path / "llama_cpp_python-0.3.36"
     cpu = root / CPU
@@ -88,6 +88,22 @@ def test_sgemm_keeps_to_batch_invariant_products_and_says_so(sdist):
     assert g.index("dflash_sgemm_batch_invariant") < g.index("bool llamafile_sgemm(const struct ggml_compute_params")
 
 
+def test_flash_attention_goes_to_flash_attn_c_or_else_row_by_row(sdist):
+    assert patch(sdist).returncode == 0
+    o = (sdist / CPU / "ops.cpp").read_text()
+    assert o.count('#include "flash_attn.h"') == 1
+    # one call, first thing in the flash attention's compute function; where it has no kernel, every batch takes
+    # upstream's one-row path (no split cache, no tiles)
+    fa = o[o.index("static void ggml_compute_forward_flash_attn_ext_f16(\n"):]
+    fa = fa[:fa.index("\n}\n")]
+    assert o.count("dflash_flash_attn(params, dst)") == 1
+    assert fa.index("dflash_flash_attn(params, dst)") < fa.index("GGML_TENSOR_LOCALS")
+    assert "const bool use_ref = true;" in fa and "params->use_ref" not in fa
+    assert "ggml-cpu/flash_attn.c" in (sdist / CPU / "CMakeLists.txt").read_text()
+    for name in ("flash_attn.c", "flash_attn.h"):
+        assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
+
+
 def test_a_tree_patched_already_is_refused(sdist):
     assert patch(sdist).returncode == 0
     before = contents(sdist)
@@ -96,9 +112,12 @@ def test_a_tree_patched_already_is_refused(sdist):
     assert contents(sdist) == before
 
 
-def test_a_llama_cpp_it_was_not_written_for_is_refused_untouched(sdist):
-    c = sdist / CPU / "ggml-cpu.c"
-    c.write_text(c.read_text().replace("    float tmp[32];\n", "    float tmp[64];\n"))
+@pytest.mark.parametrize("name, old, new", [("ggml-cpu.c", "    float tmp[32];\n", "    float tmp[64];\n"),
+                                             ("ops.cpp", "const bool use_ref = params->use_ref;", "bool use_ref = 0;")])
+def test_a_llama_cpp_it_was_not_written_for_is_refused_untouched(sdist, name, old, new):
+    c = sdist / CPU / name
+    assert old in c.read_text()
+    c.write_text(c.read_text().replace(old, new))
     before = contents(sdist)
     r = patch(sdist)
     assert r.returncode != 0, r.stdout
