@@ -144,8 +144,9 @@ bool sgemm_skips_one_row() {
 #endif
 }
 
-// Whether ggml's CPU flash attention computes every batch row by row, as setup.sh's build does: upstream's splits a
-// one-token step's cache across threads and tiles large batches, each rounding differently.
+// Whether ggml's CPU flash attention gives a row the same bits whatever the batch, as setup.sh's build does
+// (native/ggml/flash_attn.c): upstream's splits a one-token step's cache across threads and tiles large batches, each
+// rounding differently.
 bool flash_attn_batch_invariant() {
 #if defined(__APPLE__)
     return dlsym(RTLD_DEFAULT, "dflash_flash_attn_batch_invariant") != nullptr;

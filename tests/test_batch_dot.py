@@ -108,7 +108,8 @@ def test_ggmls_matmul_gives_a_row_its_bits_whatever_the_batch(check_matmul, thre
 
 
 def test_the_attention_benchmark_mode_runs(check_matmul):
-    """check_matmul THREADS bench: a decode step's two attention products at 4096 cells, timed (docs/measurements.md)."""
+    """check_matmul THREADS bench: a decode step's two attention products at 4096 cells, timed
+    (docs/measurements.md)."""
     assert_bench_line(check_matmul, r"decode step's attention, 4 heads, 4096 cells, 2 threads: K x Q \d+\.\d us, "
                                     r"V x softmax \d+\.\d us")
 

@@ -1,7 +1,7 @@
 """native/ggml/patch_ggml.py, which scripts/setup.sh runs on the llama-cpp-python 0.3.36 sdist before building it:
-the real ggml-cpu sources of that sdist get batch_dot.c in their matmul, flash_attn.c in their flash attention and both
-in their build, and llamafile's sgemm keeps to batch-invariant products, and a tree it was not written for (an anchor changed) or one patched already is refused with
-one line, nothing written."""
+the real ggml-cpu sources of that sdist get batch_dot.c in their matmul, flash_attn.c in their flash attention and
+both in their build, and llamafile's sgemm keeps to batch-invariant products, and a tree it was not written for (an
+anchor changed) or one patched already is refused with one line, nothing written."""
 
 import os
 import shutil

@@ -1,8 +1,8 @@
 """Add batch_dot.c and flash_attn.c to the llama.cpp vendored in an unpacked llama-cpp-python sdist (scripts/setup.sh
 runs this before building the wheel): the files go into ggml-cpu's sources, ggml's matmul hands batch_dot.c each tile
 of two rows or more before calling vec_dot per element, and its flash attention goes to flash_attn.c; llamafile's
-sgemm (where the build has it) takes only products whose bits do not depend on the number of rows. Every anchor must match this llama.cpp exactly; anything else is an error, so a
-changed llama.cpp is never patched half-way.
+sgemm (where the build has it) takes only products whose bits do not depend on the number of rows. Every anchor must
+match this llama.cpp exactly; anything else is an error, so a changed llama.cpp is never patched half-way.
 
     python native/ggml/patch_ggml.py SDIST_DIR
 """
@@ -152,7 +152,7 @@ FA_CALL = """static void ggml_compute_forward_flash_attn_ext_f16(
 FA_REF_ANCHOR = """    // When use_ref is set, force the vec-only reference implementation (no tiling, no KV-chunking)
     const bool use_ref = params->use_ref;
 """
-FA_REF_NEW = """    // dflash-local: every batch by the one-row kernel, whose bits do not depend on the batch (see patch_ggml.py)
+FA_REF_NEW = """    // dflash-local: every batch by the one-row kernel, whose bits do not depend on it (see patch_ggml.py)
     const bool use_ref = true;
 """
 OPS_INCLUDE_ANCHOR = '#include "vec.h"\n'
