@@ -64,6 +64,11 @@ def test_the_sdists_matmul_calls_the_kernels_and_builds_them(sdist):
     first, converted = mm.index("(const char *)src1->data + i12*nb12"), mm.index("(const char *)wdata + (i12*ne11")
     assert mm.count("i12 += heads") == 1 and first < mm.index("i12 += heads") < converted
     assert mm.count("ne01, heads*ne11,") == 1 and "const int64_t heads = nb2 == ne1*nb1 ? r2 : 1;" in mm
+    # whole products go to dflash_batch_gemm once src1 is converted (after the threads' barrier), before that sgemm
+    gemm = mm.index("dflash_batch_gemm(src0->type")
+    assert c.count("dflash_batch_gemm(") == 1
+    assert mm.index("ggml_barrier(params->threadpool);") < gemm < converted
+    assert "ne02 == 1 && ne03 == 1 && ne12 == 1 && ne13 == 1" in mm[gemm - 200:gemm]
     for name in ("batch_dot.c", "batch_dot.h"):
         assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
 

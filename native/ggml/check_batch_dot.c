@@ -1,6 +1,8 @@
 // dflash_batch_dot against ggml's vec_dot: every element of every tile of 2..16 rows bit for bit, on random rows of
 // each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
-// none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Built and run by
+// none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Then dflash_batch_gemm the same
+// way: whole products of 4..64 rows shared by 1, 2 and 3 threads ("gemm TYPE: no kernel" where it has none), and
+// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers). Built and run by
 // tests/test_batch_dot.py against the installed llama.cpp:
 //   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
 // (batch_dot.c is in libggml-cpu, built by scripts/setup.sh).
@@ -14,6 +16,8 @@
 
 bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                       size_t y_stride, int ny, float * dst, size_t dst_stride);
+bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
+                       size_t y_stride, int ny, float * dst, size_t dst_stride, int ith, int nth);
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
@@ -68,6 +72,53 @@ int main(int argc, char ** argv) {
             if (diff || bench) {
                 printf("%s rows %d: %d of %d differ; vec_dot %.2f ms, batch %.2f ms (%.2fx)\n", ggml_type_name(type),
                        cnt, diff, cnt * nw, (t1 - t0) * 1e3 / reps, (t3 - t2) * 1e3 / reps, (t1 - t0) / (t3 - t2));
+            }
+        }
+        free(f); free(W); free(Y); free(ref); free(out);
+    }
+    const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0};
+    for (int t = 0; t < 2; ++t) {
+        const enum ggml_type type = gemm_types[t];
+        const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
+        const int n = 640, nw = bench ? 2048 : 67, nmax = bench ? 512 : 64;
+        const size_t ws = ggml_row_size(type, n), ys = ggml_row_size(GGML_TYPE_Q8_0, n);
+        float * f = malloc(sizeof(float) * n);
+        char * W = malloc(ws * nw), * Y = malloc(ys * nmax);
+        for (int i = 0; i < nw; ++i) {
+            float sc = (rand() % 100) / 10.0f + 0.01f;
+            for (int k = 0; k < n; ++k) f[k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
+            ggml_quantize_chunk(type, f, W + i * ws, 0, 1, n, NULL);
+        }
+        for (int j = 0; j < nmax; ++j) {
+            for (int k = 0; k < n; ++k) f[k] = (rand() / (float) RAND_MAX) * 2 - 1 + (k % 7 == 0 ? 3 : 0);
+            ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(f, Y + j * ys, n);
+        }
+        float * ref = malloc(sizeof(float) * nw * nmax), * out = malloc(sizeof(float) * nw * nmax);
+        const double t0 = now();
+        for (int j = 0; j < nmax; ++j)
+            for (int i = 0; i < nw; ++i)
+                tw->vec_dot(n, &ref[j * nw + i], 0, W + i * ws, 0, Y + j * ys, 0, 1);
+        const double t1 = now();
+        const int counts[] = {4, 5, 31, 64, 512};
+        for (int c = 0; c < 5; ++c) {
+            const int cnt = counts[c];
+            if (cnt > nmax || (bench && cnt != nmax)) continue;
+            for (int nth = bench ? 1 : 3; nth >= 1; --nth) {  // the threads' shares, one after the other
+                memset(out, 0xff, sizeof(float) * nw * nmax);
+                const double t2 = now();
+                int ok = 1;
+                for (int ith = 0; ith < nth; ++ith)
+                    ok &= dflash_batch_gemm(type, n, W, ws, nw, Y, ys, cnt, out, nw, ith, nth);
+                const double t3 = now();
+                if (!ok) { printf("gemm %s: no kernel\n", ggml_type_name(type)); c = 5; break; }
+                int diff = 0;
+                for (int i = 0; i < nw * cnt; ++i) diff += memcmp(&out[i], &ref[i], 4) != 0;
+                bad += diff;
+                if (diff || bench) {
+                    printf("gemm %s rows %d, %d threads: %d of %d differ; vec_dot %.2f ms, gemm %.2f ms (%.2fx)\n",
+                           ggml_type_name(type), cnt, nth, diff, cnt * nw, (t1 - t0) * 1e3, (t3 - t2) * 1e3,
+                           (t1 - t0) / (t3 - t2));
+                }
             }
         }
         free(f); free(W); free(Y); free(ref); free(out);

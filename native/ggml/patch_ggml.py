@@ -37,6 +37,27 @@ CHUNK_CALL = """    float tmp[32];
 """
 INCLUDE_ANCHOR = '#include "tiled/tiled.h"\n'
 
+# ggml_compute_forward_mul_mat, once src1 is converted to vec_dot's type: a plain 2-D product of q5_0 or q4_0 weights
+# and 4 rows or more goes whole to dflash_batch_gemm (each thread its share of the weight rows), before sgemm
+GEMM_ANCHOR = """    ggml_barrier(params->threadpool);
+
+#if GGML_USE_LLAMAFILE
+    if (src1->type != vec_dot_type) {
+"""
+GEMM_CALL = """    ggml_barrier(params->threadpool);
+
+    // dflash-local: whole products by batch_dot.c's GEMM where it has one (see patch_ggml.py)
+    if (src1->type != vec_dot_type && ne02 == 1 && ne03 == 1 && ne12 == 1 && ne13 == 1 &&
+        dflash_batch_gemm(src0->type, (int) ne00, src0->data, nb01, (int) ne01, params->wdata,
+                          ggml_row_size(vec_dot_type, ne10), (int) ne11, (float *) dst->data, nb1 / sizeof(float),
+                          ith, nth)) {
+        return;
+    }
+
+#if GGML_USE_LLAMAFILE
+    if (src1->type != vec_dot_type) {
+"""
+
 # ggml_compute_forward_mul_mat hands sgemm one head at a time; with grouped-query attention the r2 heads that share a
 # slice of the cache then read it r2 times (a decode step at depth is bound by those reads: 4 times gemma's K and V).
 # Their rows lie side by side in the converted src1, and their outputs in dst, so they go as one product of r2 * ne11
@@ -174,6 +195,7 @@ def main(sdist: Path) -> None:
         sys.exit(f"error: {cpu / 'ggml-cpu.c'} is patched already")
     c = replace_once(c, INCLUDE_ANCHOR, INCLUDE_ANCHOR + '#include "batch_dot.h"\n', cpu / "ggml-cpu.c")
     c = replace_once(c, CHUNK_ANCHOR, CHUNK_CALL, cpu / "ggml-cpu.c")
+    c = replace_once(c, GEMM_ANCHOR, GEMM_CALL, cpu / "ggml-cpu.c")
     c = replace_once(c, GQA_ANCHOR, GQA_NEW, cpu / "ggml-cpu.c")
     sgemm = cpu / "llamafile" / "sgemm.cpp"
     g = replace_once(sgemm.read_text(), SGEMM_ANCHOR, SGEMM_NEW, sgemm)
