@@ -227,11 +227,11 @@ PYBIND11_MODULE(_native, m) {
                          bool use_layer_api, int flash_attn, bool verbose, int n_threads_batch, int n_batch,
                          int n_ubatch, const std::string & type_k, const std::string & type_v,
                          const std::string & type_k_draft, const std::string & type_v_draft, int n_rs_seq, int n_seq,
-                         bool kv_unified) {
+                         bool kv_unified, int flash_attn_draft) {
                  const int n_tb = n_threads_batch > 0 ? n_threads_batch : n_threads;
-                 ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, cache_type(type_k),
-                                  cache_type(type_v), cache_type(type_k_draft), cache_type(type_v_draft), n_rs_seq,
-                                  n_seq, kv_unified};
+                 ContextOptions o{n_ctx, n_batch, n_ubatch, n_threads, n_tb, flash_attn, flash_attn_draft,
+                                  cache_type(type_k), cache_type(type_v), cache_type(type_k_draft),
+                                  cache_type(type_v_draft), n_rs_seq, n_seq, kv_unified};
                  return new Session(target, drafter, std::move(layers), o, use_layer_api, verbose);
              }),
              py::arg("target"), py::arg("drafter"), py::arg("layers"), py::arg("n_ctx"), py::arg("n_threads"),
@@ -239,7 +239,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("n_threads_batch") = 0, py::arg("n_batch") = 512, py::arg("n_ubatch") = 512,
              py::arg("type_k") = "f16", py::arg("type_v") = "f16", py::arg("type_k_draft") = "f32",
              py::arg("type_v_draft") = "f32", py::arg("n_rs_seq") = -1, py::arg("n_seq") = 1,
-             py::arg("kv_unified") = false,
+             py::arg("kv_unified") = false, py::arg("flash_attn_draft") = 0,
              py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("n_batch", &Session::batch_size)
         .def_property_readonly("n_ubatch", &Session::ubatch_size)

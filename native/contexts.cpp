@@ -48,12 +48,14 @@ void Session::check_arguments(const ContextOptions & o) {
         throw std::invalid_argument("need 1 <= n_ubatch <= n_batch, got n_batch " + std::to_string(o.n_batch) +
                                     ", n_ubatch " + std::to_string(o.n_ubatch));
     }
-    if (o.flash_attn < LLAMA_FLASH_ATTN_TYPE_AUTO || o.flash_attn > LLAMA_FLASH_ATTN_TYPE_ENABLED) {
-        throw std::invalid_argument("flash_attn must be -1 (auto), 0 (off) or 1 (on)");
+    for (int fa : {o.flash_attn, o.flash_attn_draft}) {
+        if (fa < LLAMA_FLASH_ATTN_TYPE_AUTO || fa > LLAMA_FLASH_ATTN_TYPE_ENABLED) {
+            throw std::invalid_argument("flash_attn must be -1 (auto), 0 (off) or 1 (on)");
+        }
     }
     // llama.cpp refuses these with a log line and no context; say why instead
-    if (o.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED &&
-        (ggml_is_quantized(o.type_v) || (dft && ggml_is_quantized(o.type_v_draft)))) {
+    if ((o.flash_attn == LLAMA_FLASH_ATTN_TYPE_DISABLED && ggml_is_quantized(o.type_v)) ||
+        (dft && o.flash_attn_draft == LLAMA_FLASH_ATTN_TYPE_DISABLED && ggml_is_quantized(o.type_v_draft))) {
         throw std::invalid_argument("a quantized V cache needs flash attention (flash_attn on or auto)");
     }
     recurrent = llama_model_is_recurrent(tgt.model) || llama_model_is_hybrid(tgt.model);
@@ -172,6 +174,7 @@ void Session::create_contexts(const ContextOptions & o, int n_rs_seq) {
     dp.ctx_other = ctx_tgt;
     dp.type_k = o.type_k_draft;
     dp.type_v = o.type_v_draft;
+    dp.flash_attn_type = (llama_flash_attn_type) o.flash_attn_draft;
     if (dft->params.n_gpu_layers == 0) {
         dp.cb_eval           = drafter_eval_cb;
         dp.cb_eval_user_data = this;

@@ -63,6 +63,7 @@ struct ContextOptions {
     int n_threads = 1;
     int n_threads_batch = 1;
     int flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    int flash_attn_draft = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // the drafter's context
     ggml_type type_k = GGML_TYPE_F16;
     ggml_type type_v = GGML_TYPE_F16;
     ggml_type type_k_draft = GGML_TYPE_F32;  // f32: drafts equal to a float32 reference implementation

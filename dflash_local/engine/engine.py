@@ -198,7 +198,7 @@ class Engine:
         draft_device: str = "cpu",
         draft_policy: str = "auto",
         spec_sampling: str = "match",
-        flash_attn: bool = False,
+        flash_attn: bool | None = None,
         repack: bool = False,
         placement: Placement | None = None,
         verbose: bool = False,
@@ -219,9 +219,10 @@ class Engine:
         placement: where weights and caches go, KV types, batch sizes, threads (placement.py); without it,
         n_gpu_layers, n_threads, flash_attn and repack make one. n_ctx 0 is the model's trained context.
 
-        flash attention and repack select faster CPU kernels for the target that round differently for a verify
-        batch than for a single token, so greedy output may then differ from plain decoding where two tokens nearly
-        tie. Both are off by default on CPUs: verification is then bit-exact.
+        flash_attn: None is the placement's default (on with the target on the CPU where setup.sh's kernel gives a
+        row the same bits whatever the batch, else off). repack selects ggml's repacked CPU kernels, which round a
+        verify batch differently from a single token, so greedy output may then differ from plain decoding where two
+        tokens nearly tie; it is off by default: verification is then bit-exact.
 
         chat_template replaces the GGUF's chat template; chat_template_kwargs are extra variables for it (such as
         enable_thinking), under those of each request.
@@ -241,7 +242,7 @@ class Engine:
         self.target_info, self.draft_info, self.spec = _read_pair(model, draft, draft_backend)
         if placement is None:
             placement = Placement(n_gpu_layers=n_gpu_layers, n_threads=n_threads, repack=repack,
-                                  flash_attn="on" if flash_attn else "off")
+                                  flash_attn=None if flash_attn is None else "on" if flash_attn else "off")
         placement.check(drafting=bool(draft) and draft_backend == "ggml")
         placement.check_head_sizes(self.target_info, self.draft_info if draft_backend == "ggml" else None)
         self.placement = placement

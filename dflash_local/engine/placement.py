@@ -42,7 +42,7 @@ class Placement:
     n_threads_batch: int | None = None  # None: n_threads
     n_batch: int = 512
     n_ubatch: int = 512
-    flash_attn: str | None = None  # None: off with the target on the CPU (exact either way, no faster), else auto
+    flash_attn: str | None = None  # None: see fa and draft_fa
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     cache_type_k_draft: str | None = None  # None: f16 with the drafter on a GPU, else f32 (bit-exact drafting)
@@ -56,6 +56,19 @@ class Placement:
 
     @property
     def fa(self) -> str:
+        """The target's flash attention: on the CPU, on where setup.sh's kernel keeps it exact (it skips the cells a
+        row does not see, so prompts are cheaper), else off; auto with -ngl."""
+        if self.flash_attn:
+            return self.flash_attn
+        if self.n_gpu_layers != 0:
+            return "auto"
+        from .. import _native
+
+        return "on" if _native.cpu_flash_attn_batch_invariant() else "off"
+
+    @property
+    def draft_fa(self) -> str:
+        """The drafter's: off on the CPU (float32 drafts equal to the torch drafter's), auto with -ngl."""
         return self.flash_attn or ("off" if self.n_gpu_layers == 0 else "auto")
 
     @property
@@ -89,9 +102,10 @@ class Placement:
                 raise PlacementError(f"{flag} {name}: unknown KV cache type (one of {', '.join(CACHE_TYPES)})")
         if self.fa not in FLASH_ATTN:
             raise PlacementError(f"-fa {self.flash_attn}: give on, off or auto")
-        quantized_v = [f for f, t in (("-ctv", self.cache_type_v), ("-ctvd", self.draft_cache_types()[1] if drafting
-                                                                       else "f16")) if t not in ("f32", "f16", "bf16")]
-        if quantized_v and self.fa == "off":
+        quantized_v = [f for f, t, fa in (("-ctv", self.cache_type_v, self.fa),
+                                          ("-ctvd", self.draft_cache_types()[1] if drafting else "f16", self.draft_fa))
+                       if t not in ("f32", "f16", "bf16") and fa == "off"]
+        if quantized_v:
             raise PlacementError(f"a quantized V cache ({quantized_v[0]}) needs flash attention: add -fa on (or auto)")
         if self.split_mode not in SPLIT_MODES:
             raise PlacementError(f"-sm {self.split_mode}: give one of {', '.join(SPLIT_MODES)}")
@@ -180,6 +194,7 @@ class Placement:
             type_v=self.cache_type_v,
             type_k_draft=k_draft,
             type_v_draft=v_draft,
+            flash_attn_draft=FLASH_ATTN[self.draft_fa],
         )
 
     def describe(self) -> dict:
@@ -195,6 +210,7 @@ class Placement:
             "n_cpu_moe": self.n_cpu_moe,
             "repack": [name for name, on in (("target", self.repack), ("draft", self.repack_draft)) if on],
             "flash_attn": self.fa,
+            "flash_attn_draft": self.draft_fa,
             "cache_type_k": self.cache_type_k,
             "cache_type_v": self.cache_type_v,
             "cache_type_k_draft": k_draft,
@@ -280,8 +296,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch of the target (default 512, at most -b)")
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=list(FLASH_ATTN), metavar="on|off|auto",
-                   help="flash attention (default: off with the target on the CPU, where it is no faster; exact either "
-                        "way with setup.sh's build; auto with -ngl). Needed for a quantized V cache")
+                   help="flash attention (default: on with the target on the CPU where setup.sh's kernel keeps it "
+                        "exact, as it does, and off for the drafter there; auto with -ngl). Needed for a quantized V "
+                        "cache")
     types = ", ".join(CACHE_TYPES)
     g.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
                    help=f"target K cache type: {types} (default f16)")

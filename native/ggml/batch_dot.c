@@ -13,8 +13,9 @@
 // in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most desktops: AMD Zen 2 and 3, Intel's
 // client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a 256-bit activation row at a time, the
 // weight's super-block unpacked once for all of them, and q4_1 so on every CPU with AVX2 (q8_0 and q5_0 go to
-// llamafile's sgemm there, README.md).
-// Elsewhere dflash_batch_dot returns false and ggml calls vec_dot as before.
+// llamafile's sgemm there, README.md). dflash_batch_gemm takes whole products of q5_0 and q4_0 weights and 4 rows or
+// more (prompt chunks, verify blocks) on every CPU with AVX2.
+// Elsewhere both return false and ggml calls vec_dot as before.
 
 #include "batch_dot.h"
 

@@ -53,11 +53,11 @@ static inline __attribute__((always_inline)) __m256 load8(const char * row, int6
                 : _mm256_loadu_ps((const float *) row + i);
 }
 
-// the dot products of np query rows with nc cells from cell c, each one chain over the head's values (np <= 2,
+// the dot products of np query rows with nc cells from cell c, each one chain over the head's values (np <= 4,
 // nc <= 4 and half constants at every call, so each shape compiles with its accumulators in registers)
 static inline __attribute__((always_inline)) void dots(int np, int nc, bool half, const float * const * q,
                                                        struct rows k, int c, int64_t dk, float * s) {
-    __m256 acc[2][4];
+    __m256 acc[4][4];
     for (int p = 0; p < np; p++)
         for (int j = 0; j < nc; j++)
             acc[p][j] = _mm256_setzero_ps();
@@ -76,17 +76,38 @@ static inline __attribute__((always_inline)) void dots(int np, int nc, bool half
             s[p * FA_CELLS + c + j] = hsum(acc[p][j]);
 }
 
-// s[p][0..nc) for the two query rows q (one where q[0] == q[1]): 4 cells at a time, then one
-static inline __attribute__((always_inline)) void block_dots(bool two, bool half, const float * const * q,
-                                                             struct rows k, int nc, int64_t dk, float * s) {
+// s[p][0..nc) for the np (<= 2) query rows q, f16 cells read in place: 4 cells at a time, then one
+static inline __attribute__((always_inline)) void block_dots_half(int np, const float * const * q, struct rows k,
+                                                                  int nc, int64_t dk, float * s) {
     int c = 0;
     for (; c + 4 <= nc; c += 4) {
-        if (two) dots(2, 4, half, q, k, c, dk, s);
-        else     dots(1, 4, half, q, k, c, dk, s);
+        if (np == 2) dots(2, 4, true, q, k, c, dk, s);
+        else         dots(1, 4, true, q, k, c, dk, s);
     }
     for (; c < nc; c++) {
-        if (two) dots(2, 1, half, q, k, c, dk, s);
-        else     dots(1, 1, half, q, k, c, dk, s);
+        if (np == 2) dots(2, 1, true, q, k, c, dk, s);
+        else         dots(1, 1, true, q, k, c, dk, s);
+    }
+}
+
+// the same for np (<= 4) query rows over converted cells: 3 cells at a time (each cell loaded once for 4 rows), then one
+static void block_dots(int np, const float * const * q, struct rows k, int nc, int64_t dk, float * s) {
+    int c = 0;
+    for (; c + 3 <= nc; c += 3) {
+        switch (np) {
+            case 4:  dots(4, 3, false, q, k, c, dk, s); break;
+            case 3:  dots(3, 3, false, q, k, c, dk, s); break;
+            case 2:  dots(2, 3, false, q, k, c, dk, s); break;
+            default: dots(1, 3, false, q, k, c, dk, s); break;
+        }
+    }
+    for (; c < nc; c++) {
+        switch (np) {
+            case 4:  dots(4, 1, false, q, k, c, dk, s); break;
+            case 3:  dots(3, 1, false, q, k, c, dk, s); break;
+            case 2:  dots(2, 1, false, q, k, c, dk, s); break;
+            default: dots(1, 1, false, q, k, c, dk, s); break;
+        }
     }
 }
 
@@ -116,6 +137,38 @@ static inline __attribute__((always_inline)) void add_values(bool half, float * 
             acc = _mm256_fmadd_ps(_mm256_set1_ps(e[c]), load8(v.data + c * v.stride, d, half), acc);
         }
         _mm256_storeu_ps(o + d, acc);
+    }
+}
+
+// add_values for np (<= 4) pairs over converted cells, 16 values of each at a time: a cell's values are loaded once
+// for the np pairs; where one of them has e[c] == 0, only the others add it (every lane's operations as add_values')
+static inline __attribute__((always_inline)) void add_values_tile(int np, float * const * o, const float * alpha,
+                                                                  const float * const * e, struct rows v, int nc,
+                                                                  int64_t dv) {
+    bool all[FA_CELLS];  // every pair adds cell c (almost always: the test leaves the inner loop)
+    for (int c = 0; c < nc; c++) {
+        all[c] = true;
+        for (int p = 0; p < np; p++)
+            all[c] = all[c] && e[p][c] != 0.0f;
+    }
+    for (int64_t d = 0; d < dv; d += 16) {
+        __m256 acc[4][2];
+        for (int p = 0; p < np; p++)
+            for (int j = 0; j < 2; j++)
+                acc[p][j] = _mm256_mul_ps(_mm256_loadu_ps(o[p] + d + 8 * j), _mm256_set1_ps(alpha[p]));
+        for (int c = 0; c < nc; c++) {
+            const float * vc = (const float *) (v.data + c * v.stride) + d;
+            const __m256 v0 = _mm256_loadu_ps(vc), v1 = _mm256_loadu_ps(vc + 8);
+            for (int p = 0; p < np; p++) {
+                if (!all[c] && e[p][c] == 0.0f) continue;
+                const __m256 w = _mm256_broadcast_ss(&e[p][c]);
+                acc[p][0] = _mm256_fmadd_ps(w, v0, acc[p][0]);
+                acc[p][1] = _mm256_fmadd_ps(w, v1, acc[p][1]);
+            }
+        }
+        for (int p = 0; p < np; p++)
+            for (int j = 0; j < 2; j++)
+                _mm256_storeu_ps(o[p] + d + 8 * j, acc[p][j]);
     }
 }
 
@@ -268,24 +321,54 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
             vr = (struct rows) {(const char *) vf, dv * sizeof(float), false};
         }
 
-        // scores, two pairs by four cells at a time
-        for (int64_t i = 0; i < nl; i += 2) {
-            const bool two = i + 1 < nl;
-            const float * qs[2] = {pairs[idx[i]].q, pairs[idx[i + two]].q};
-            float * s = sc + i * FA_CELLS;  // the pair's and the next's
-            if (kr.half) block_dots(two, true, qs, kr, nc, dk, s);
-            else         block_dots(two, false, qs, kr, nc, dk, s);
+        // scores: pairs side by side (two in place, four over converted cells), each's row of sc
+        const int64_t step = kr.half ? 2 : 4;
+        for (int64_t i = 0; i < nl; i += step) {
+            const int n = (int) (nl - i < step ? nl - i : step);
+            const float * qs[4];
+            for (int p = 0; p < n; p++)
+                qs[p] = pairs[idx[i + p]].q;
+            if (kr.half) block_dots_half(n, qs, kr, nc, dk, sc + i * FA_CELLS);
+            else         block_dots(n, qs, kr, nc, dk, sc + i * FA_CELLS);
         }
 
-        // probabilities and value rows, pair by pair
+        // probabilities pair by pair (sc's rows become e), then value rows: in place pair by pair, converted four
+        // pairs at a time
+        int64_t nv = 0;  // the pairs with a cell in the block that adds
+        float alpha[FA_PAIRS];
         for (int64_t i = 0; i < nl; i++) {
             const int64_t p = idx[i];
-            float e[FA_CELLS], alpha;
-            if (!probabilities(a, &pairs[p], c0, nc, sc + i * FA_CELLS, &st.max[p], &st.sum[p], &alpha, e)) {
+            float * e = sc + nv * FA_CELLS;
+            float s[FA_CELLS];
+            memcpy(s, sc + i * FA_CELLS, nc * sizeof(float));
+            if (probabilities(a, &pairs[p], c0, nc, s, &st.max[p], &st.sum[p], &alpha[nv], e)) {
+                idx[nv++] = p;
+            }
+        }
+        if (vr.half) {
+            for (int64_t i = 0; i < nv; i++)
+                add_values(true, st.out + idx[i] * dv, alpha[i], sc + i * FA_CELLS, vr, nc, dv);
+            continue;
+        }
+        for (int64_t i = 0; i < nv; i += 4) {
+            const int n = (int) (nv - i < 4 ? nv - i : 4);
+            float * o[4];
+            const float * e[4];
+            for (int p = 0; p < n; p++) {
+                o[p] = st.out + idx[i + p] * dv;
+                e[p] = sc + (i + p) * FA_CELLS;
+            }
+            if (dv % 16) {
+                for (int p = 0; p < n; p++)
+                    add_values(false, o[p], alpha[i + p], e[p], vr, nc, dv);
                 continue;
             }
-            if (vr.half) add_values(true, st.out + p * dv, alpha, e, vr, nc, dv);
-            else         add_values(false, st.out + p * dv, alpha, e, vr, nc, dv);
+            switch (n) {
+                case 4:  add_values_tile(4, o, alpha + i, e, vr, nc, dv); break;
+                case 3:  add_values_tile(3, o, alpha + i, e, vr, nc, dv); break;
+                case 2:  add_values_tile(2, o, alpha + i, e, vr, nc, dv); break;
+                default: add_values_tile(1, o, alpha + i, e, vr, nc, dv); break;
+            }
         }
     }
 }
