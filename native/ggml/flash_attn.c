@@ -239,48 +239,91 @@ static int64_t unit_pairs(const struct attn * a, int64_t u, struct pair * pairs,
     return np;
 }
 
-// a pair's block: scores scaled, capped and masked in place, the running maximum and sum updated; the rescale of its
-// output (alpha) and the block's probabilities e (masked cells 0). False where the block has no cell for the pair
+// a pair's block: scores scaled, capped and masked in place, the running maximum updated; the rescale of its output
+// (alpha) and the block's probabilities e (masked cells 0). False where the block has no cell for the pair. Cells go
+// 8 at a time (the last few padded), so a cell's operations do not depend on where the cache ends
 static bool probabilities(const struct attn * a, const struct pair * pr, int64_t c0, int nc, float * s,
-                          float * run_max, float * run_sum, float * alpha, float * e) {
-    float block_max = -INFINITY;
-    for (int c = 0; c < nc; c++) {
-        const float mv = pr->mask ? pr->slope * GGML_CPU_FP16_TO_FP32(pr->mask[c0 + c]) : 0.0f;
-        if (mv == -INFINITY) {
-            s[c] = -INFINITY;
-            continue;
+                          float * run_max, float * alpha, float * e) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(a->scale);
+    __m256 vmax = minus_inf;
+    const ggml_fp16_t zero = GGML_CPU_FP32_TO_FP16(0.0f), masked = GGML_CPU_FP32_TO_FP16(-INFINITY);
+    for (int c = 0; c < nc; c += 8) {
+        const int n = nc - c < 8 ? nc - c : 8;
+        float sp[8] = {0}, tanh8[8];
+        ggml_fp16_t mp[8];
+        const float * sc = s + c;
+        const ggml_fp16_t * mc = pr->mask ? pr->mask + c0 + c : NULL;
+        if (n < 8 || !mc) {  // padded: the lanes past the block are masked
+            memcpy(sp, sc, n * sizeof(float));
+            for (int j = 0; j < 8; j++)
+                mp[j] = j >= n ? masked : mc ? mc[j] : zero;
+            sc = sp;
+            mc = mp;
         }
-        float x = s[c] * a->scale;
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sc), scale);
         if (a->softcap != 0.0f) {
-            x = a->softcap * tanhf(x);
+            _mm256_storeu_ps(tanh8, x);
+            for (int j = 0; j < 8; j++)
+                tanh8[j] = a->softcap * tanhf(tanh8[j]);
+            x = _mm256_loadu_ps(tanh8);
         }
-        s[c] = x + mv;
-        block_max = s[c] > block_max ? s[c] : block_max;
+        const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(pr->slope), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) mc)));
+        const __m256 r = _mm256_blendv_ps(_mm256_add_ps(x, mv), minus_inf, _mm256_cmp_ps(mv, minus_inf, _CMP_EQ_OQ));
+        if (n == 8) {
+            _mm256_storeu_ps(s + c, r);
+        } else {
+            _mm256_storeu_ps(sp, r);
+            memcpy(s + c, sp, n * sizeof(float));
+        }
+        vmax = _mm256_max_ps(vmax, r);
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float block_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     if (block_max == -INFINITY) {
         return false;
     }
     const float new_max = *run_max > block_max ? *run_max : block_max;
     *alpha = expf(*run_max - new_max);  // 0 at the first block
-    // exp(s - new_max), 8 cells at a time, each lane on its own
-    int c = 0;
-    for (; c + 8 <= nc; c += 8)
-        _mm256_storeu_ps(e + c, ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(new_max))));
-    for (; c < nc; c++) {
-        float lane[8] = {s[c] - new_max};
-        _mm256_storeu_ps(lane, ggml_v_expf(_mm256_loadu_ps(lane)));
-        e[c] = lane[0];
-    }
-    float block_sum = 0.0f;
-    for (c = 0; c < nc; c++) {
-        if (s[c] == -INFINITY) {
-            e[c] = 0.0f;
+    // exp(s - new_max), 8 cells at a time, each lane on its own; masked cells 0
+    for (int c = 0; c < nc; c += 8) {
+        float sp[8] = {0};
+        const int n = nc - c < 8 ? nc - c : 8;
+        if (n < 8) {
+            memcpy(sp, s + c, n * sizeof(float));
         }
-        block_sum += e[c];
+        const __m256 x = _mm256_loadu_ps(n < 8 ? sp : s + c);
+        const __m256 ex = ggml_v_expf(_mm256_sub_ps(x, _mm256_set1_ps(new_max)));
+        const __m256 out = _mm256_blendv_ps(ex, _mm256_setzero_ps(), _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ));
+        if (n == 8) {
+            _mm256_storeu_ps(e + c, out);
+        } else {
+            _mm256_storeu_ps(sp, out);
+            memcpy(e + c, sp, n * sizeof(float));
+        }
     }
-    *run_sum = *run_sum * *alpha + block_sum;
     *run_max = new_max;
     return true;
+}
+
+// run_sum = run_sum * alpha + the sum of the block's e in cell order, for n pairs (e's rows FA_CELLS apart): four
+// pairs' sums side by side, each still one chain of adds
+static void add_sums(const float * e, int64_t n, int nc, const float * alpha, const int64_t * idx, float * run_sum) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < nc; c++)
+            for (int j = 0; j < 4; j++)
+                b[j] += e[(i + j) * FA_CELLS + c];
+        for (int j = 0; j < 4; j++)
+            run_sum[idx[i + j]] = fmaf(run_sum[idx[i + j]], alpha[i + j], b[j]);
+    }
+    for (; i < n; i++) {
+        float b = 0.0f;
+        for (int c = 0; c < nc; c++)
+            b += e[i * FA_CELLS + c];
+        run_sum[idx[i]] = fmaf(run_sum[idx[i]], alpha[i], b);
+    }
 }
 
 // the cells [c_begin, c_end) (whole blocks but the cache's last) for np pairs of K/V head kvh, from state st;
@@ -341,10 +384,11 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
             float * e = sc + nv * FA_CELLS;
             float s[FA_CELLS];
             memcpy(s, sc + i * FA_CELLS, nc * sizeof(float));
-            if (probabilities(a, &pairs[p], c0, nc, s, &st.max[p], &st.sum[p], &alpha[nv], e)) {
+            if (probabilities(a, &pairs[p], c0, nc, s, &st.max[p], &alpha[nv], e)) {
                 idx[nv++] = p;
             }
         }
+        add_sums(sc, nv, nc, alpha, idx, st.sum);
         if (vr.half) {
             for (int64_t i = 0; i < nv; i++)
                 add_values(true, st.out + idx[i] * dv, alpha[i], sc + i * FA_CELLS, vr, nc, dv);
