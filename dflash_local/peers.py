@@ -154,7 +154,7 @@ def markdown(peers: list[dict], n_prompts: int) -> str:
               "Acceptance: draft tokens accepted / drafted. = our plain, = its plain: outputs token-identical to our "
               "plain greedy decoding, to llama-server's plain run. Prompts sent as our token ids (chat prompts through "
               "our chat template). n-gram types ignore --spec-draft-n-max/--spec-draft-p-min and run once. Upstream's "
-              "defaults apply beyond threads, context and GPU layers (weight repacking on, -fa auto; ours: off, off on "
-              "the CPU). "
+              "defaults apply beyond threads, context and GPU layers (weight repacking on, -fa auto; ours: repacking "
+              "off, -fa on for a CPU target). "
               f"Plain: `{command}`."]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ import pytest
 from scripted import ScriptedDrafter
 
 from dflash_local import Engine, StepStats, _native
+from dflash_local.engine.placement import FLASH_ATTN
 from dflash_local.models import default_drafter, default_target
 
 PERSON = {
@@ -118,7 +119,7 @@ def test_logprobs_equal_across_modes_and_a_log_softmax_of_the_logits(tiny_engine
         assert [e.token for e in base.logprobs] == base.token_ids
         # independently: decode the prompt and output so far in a fresh session, log-softmax each row in numpy
         ids = tiny_engine.prompt_tokens(prompt)
-        s = _native.Session(tiny_engine.target, None, [], 256, 1, False)
+        s = _native.Session(tiny_engine.target, None, [], 256, 1, False, FLASH_ATTN[tiny_engine.placement.fa])
         for i, e in enumerate(base.logprobs):
             s.truncate(0)
             s.prefill(ids + base.token_ids[:i], _native.Sampling(), 0)

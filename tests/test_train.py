@@ -14,6 +14,7 @@ from dflash_local.cli import main  # noqa: E402
 from dflash_local.convert.init_drafter import init_drafter  # noqa: E402
 from dflash_local.train.corpus import read_corpus, training_prompts  # noqa: E402
 from dflash_local.gguf_file import read_gguf  # noqa: E402
+from dflash_local.engine.placement import FLASH_ATTN, Placement  # noqa: E402
 from dflash_local.engine.sampling import SamplingParams  # noqa: E402
 from dflash_local.engine.torch_drafter import TorchDraftBackend  # noqa: E402
 from dflash_local.train.run import Trainer, TrainConfig, draft_vocabulary, label_index, sequence_loss  # noqa: E402
@@ -70,7 +71,8 @@ def test_data_is_the_targets_greedy_continuation_with_its_features(run, tiny_tar
         assert len(s.features) == len(s.tokens) - 1
     # the features are the target's at those positions, as the engine captures them while drafting (in bfloat16),
     # and the stored distributions its own: the best token after each position is the next token
-    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False)
+    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False,
+                           FLASH_ATTN[e.placement.fa])
     sess.prefill([int(t) for t in s.tokens[:-1]], SamplingParams().native(), 0)
     # (stored in bfloat16, 8 bits of mantissa, from a batch of several sequences, which rounds a little differently)
     f = sess.features()
@@ -83,7 +85,9 @@ def test_data_is_the_targets_greedy_continuation_with_its_features(run, tiny_tar
         lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         top = np.argsort(-lp, kind="stable")[: s.top_ids.shape[1]]
         assert s.top_ids[row].tolist() == top.tolist()
-        np.testing.assert_allclose(s.top_logprobs[row], lp[top], atol=2e-3)
+        # float16 (half a unit in the last place: 5e-4 here) from the batch of several sequences, whose shared cache
+        # puts a sequence's cells among the others', so flash attention's blocks of cells group them differently
+        np.testing.assert_allclose(s.top_logprobs[row], lp[top], atol=4e-3)
 
 
 def test_resume_keeps_data_and_continues_the_step_count(run, tiny_target):
@@ -168,7 +172,8 @@ def check_drafts_agree(out, target, n_samples=4, backends=("zlab", "gguf")):
             backend.crop(0)
             backend.add(s.features_f32(a), 0)
             assert backend.draft([int(s.tokens[a])], B - 1) == trained
-        sess = _native.Session(tm, dm, layers, 512, 2, _native.arch_records_layer_inputs(tm.arch), False)
+        sess = _native.Session(tm, dm, layers, 512, 2, _native.arch_records_layer_inputs(tm.arch), False,
+                               FLASH_ATTN[Placement().fa])  # as the data was made
         sess.prefill([int(t) for t in s.tokens[:a]], greedy, 0)
         assert list(sess.draft(int(s.tokens[a]), B - 1).tokens) == trained
         checked += 1
@@ -276,7 +281,8 @@ def test_passages_are_read_by_the_target_and_the_best_validated_drafter_is_expor
     passages = [p for p in unfiltered if p not in held]
     # a passage is the text itself, read in one batch: features and the target's next tokens after every position
     e = Engine(tiny_target, None, n_ctx=512)
-    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False)
+    sess = _native.Session(e.target, None, [1, 3], 512, 2, _native.arch_records_layer_inputs(e.target.arch), False,
+                           FLASH_ATTN[e.placement.fa])
     for i in range(12):
         s = load_sample(out / "data-text" / f"sample-{i:06d}.npz")
         assert s.tokens.tolist() == e.prompt_tokens(passages[i])[:512] and s.n_prompt == len(s.tokens)
