@@ -21,6 +21,22 @@ bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stri
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
+// nw random weight rows of `type` (scales varying by row) into W and ny activation rows of vt into Y, n columns each
+static void random_rows(enum ggml_type type, enum ggml_type vt, int n, int nw, int ny, char * W, char * Y) {
+    const size_t ws = ggml_row_size(type, n), ys = ggml_row_size(vt, n);
+    float * f = malloc(sizeof(float) * n);
+    for (int i = 0; i < nw; ++i) {
+        float sc = (rand() % 100) / 10.0f + 0.01f;
+        for (int k = 0; k < n; ++k) f[k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
+        ggml_quantize_chunk(type, f, W + i * ws, 0, 1, n, NULL);
+    }
+    for (int j = 0; j < ny; ++j) {
+        for (int k = 0; k < n; ++k) f[k] = (rand() / (float) RAND_MAX) * 2 - 1 + (k % 7 == 0 ? 3 : 0);
+        ggml_get_type_traits_cpu(vt)->from_float(f, Y + j * ys, n);
+    }
+    free(f);
+}
+
 int main(int argc, char ** argv) {
     int bench = argc > 1 && !strcmp(argv[1], "bench");
     ggml_cpu_init();
@@ -34,17 +50,8 @@ int main(int argc, char ** argv) {
         int n = bench ? 2048 : (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K ? 768 : 640);
         int nw = bench ? 4096 : 64, ny = 16;
         size_t ws = ggml_row_size(type, n), ys = ggml_row_size(vt, n);
-        float * f = malloc(sizeof(float) * n);
         char * W = malloc(ws * nw), * Y = malloc(ys * ny);
-        for (int i = 0; i < nw; ++i) {
-            float sc = (rand() % 100) / 10.0f + 0.01f;
-            for (int k = 0; k < n; ++k) f[k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
-            ggml_quantize_chunk(type, f, W + i * ws, 0, 1, n, NULL);
-        }
-        for (int j = 0; j < ny; ++j) {
-            for (int k = 0; k < n; ++k) f[k] = (rand() / (float) RAND_MAX) * 2 - 1 + (k % 7 == 0 ? 3 : 0);
-            ggml_get_type_traits_cpu(vt)->from_float(f, Y + j * ys, n);
-        }
+        random_rows(type, vt, n, nw, ny, W, Y);
         float * ref = malloc(sizeof(float) * nw * ny), * out = malloc(sizeof(float) * nw * ny);
         double t0 = now();
         int reps = bench ? 5 : 1;
@@ -74,7 +81,7 @@ int main(int argc, char ** argv) {
                        cnt, diff, cnt * nw, (t1 - t0) * 1e3 / reps, (t3 - t2) * 1e3 / reps, (t1 - t0) / (t3 - t2));
             }
         }
-        free(f); free(W); free(Y); free(ref); free(out);
+        free(W); free(Y); free(ref); free(out);
     }
     const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0};
     for (int t = 0; t < 2; ++t) {
@@ -82,17 +89,8 @@ int main(int argc, char ** argv) {
         const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
         const int n = 640, nw = bench ? 2048 : 67, nmax = bench ? 512 : 64;
         const size_t ws = ggml_row_size(type, n), ys = ggml_row_size(GGML_TYPE_Q8_0, n);
-        float * f = malloc(sizeof(float) * n);
         char * W = malloc(ws * nw), * Y = malloc(ys * nmax);
-        for (int i = 0; i < nw; ++i) {
-            float sc = (rand() % 100) / 10.0f + 0.01f;
-            for (int k = 0; k < n; ++k) f[k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
-            ggml_quantize_chunk(type, f, W + i * ws, 0, 1, n, NULL);
-        }
-        for (int j = 0; j < nmax; ++j) {
-            for (int k = 0; k < n; ++k) f[k] = (rand() / (float) RAND_MAX) * 2 - 1 + (k % 7 == 0 ? 3 : 0);
-            ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(f, Y + j * ys, n);
-        }
+        random_rows(type, GGML_TYPE_Q8_0, n, nw, nmax, W, Y);
         float * ref = malloc(sizeof(float) * nw * nmax), * out = malloc(sizeof(float) * nw * nmax);
         const double t0 = now();
         for (int j = 0; j < nmax; ++j)
@@ -121,7 +119,7 @@ int main(int argc, char ** argv) {
                 }
             }
         }
-        free(f); free(W); free(Y); free(ref); free(out);
+        free(W); free(Y); free(ref); free(out);
     }
     printf("%s\n", bad ? "FAIL" : "all identical");
     return bad != 0;
