@@ -57,6 +57,12 @@ enum { MAX_ROWS = 16 };  // activation rows in one call (ggml's tile); 8 pairs o
 
 static inline float f16(uint16_t h) { return _cvtsh_ss(h); }
 
+// A block's 16 bytes of 4-bit quants as 32 bytes 0..15: the low nibbles (quants 0..15), then the high ones.
+static inline __m256i nibbles(const uint8_t * qs) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *) qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
+}
+
 // The horizontal sum vec_dot ends with: high half onto low half, then pairs, then the last two.
 static inline float hsum8(__m256 x) {
     __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
@@ -109,10 +115,8 @@ static inline __m256i q6_K_chunk_scales(const q6_K_block * x, int c) {
 enum { Q4_1_ROWS = 4, Q4_1_MAX_BLOCKS = 1024 };  // rows of up to 32768 columns: 160 KB of unpacked weights on the stack
 
 static inline void q4_1_unpack(const q4_1_block * x, int nb, __m256i * qx, float * xd, float * xm) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
-        const __m128i lo = _mm_loadu_si128((const __m128i *) x[b].qs);
-        qx[b] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), m4);
+        qx[b] = nibbles(x[b].qs);
         xd[b] = f16(x[b].d);
         xm[b] = f16(x[b].m);
     }
@@ -175,8 +179,6 @@ typedef struct { __m256i q; __m256 d; } q0_unpacked;
 
 // q5_0: 4 low bits, the fifth from qh: the value plus 16, 0..31.
 static inline __m256i unsigned_q5_0(const q5_0_block * x) {
-    const __m128i lo = _mm_loadu_si128((const __m128i *) x->qs);
-    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
     uint32_t qh;
     memcpy(&qh, x->qh, 4);
     // byte i takes bit i of qh: each 8-byte group of the broadcast keeps its byte of qh, then one bit per byte
@@ -185,13 +187,7 @@ static inline __m256i unsigned_q5_0(const q5_0_block * x) {
                                                                 0x0101010101010101, 0x0000000000000000));
     const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201);
     const __m256i high = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-    return _mm256_or_si256(nib, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
-}
-
-// q4_0: the value plus 8, 0..15.
-static inline __m256i unsigned_q4_0(const q4_0_block * x) {
-    const __m128i lo = _mm_loadu_si128((const __m128i *) x->qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(nibbles(x->qs), _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
 }
 
 // acc + the sums of each 32-bit lane's 4 products of unsigned u and signed s bytes (no pair of products over int16)
@@ -251,23 +247,19 @@ static inline __attribute__((always_inline)) void gemm_q0_rows(const int R, cons
 static void gemm_q0(enum ggml_type type, int nb, const char * w, size_t w_stride, int nw, const char * y,
                     size_t y_stride, int ny, float * dst, size_t dst_stride, int ith, int nth) {
     q0_unpacked x[GEMM_ROWS * nb];
-    const int offset = type == GGML_TYPE_Q5_0 ? 16 : 8;
+    const bool q5 = type == GGML_TYPE_Q5_0;
+    const int offset = q5 ? 16 : 8;
     const int tiles = (nw + GEMM_ROWS - 1) / GEMM_ROWS;
     for (int t = tiles * ith / nth; t < tiles * (ith + 1) / nth; ++t) {
         const int i0 = t * GEMM_ROWS, R = nw - i0 < GEMM_ROWS ? nw - i0 : GEMM_ROWS;
         for (int r = 0; r < R; ++r) {
             const char * row = w + (size_t) (i0 + r) * w_stride;
             for (int b = 0; b < nb; ++b) {
+                const q5_0_block * b5 = (const q5_0_block *) row + b;
+                const q4_0_block * b4 = (const q4_0_block *) row + b;
                 q0_unpacked * o = &x[b * R + r];
-                if (type == GGML_TYPE_Q5_0) {
-                    const q5_0_block * blk = (const q5_0_block *) row + b;
-                    o->q = unsigned_q5_0(blk);
-                    o->d = _mm256_set1_ps(f16(blk->d));
-                } else {
-                    const q4_0_block * blk = (const q4_0_block *) row + b;
-                    o->q = unsigned_q4_0(blk);
-                    o->d = _mm256_set1_ps(f16(blk->d));
-                }
+                o->q = q5 ? unsigned_q5_0(b5) : nibbles(b4->qs);  // q4_0: the value plus 8, 0..15
+                o->d = _mm256_set1_ps(f16(q5 ? b5->d : b4->d));
             }
         }
         switch (R) {  // constant tile shapes, so that the accumulators stay in registers
@@ -360,11 +352,9 @@ static inline __m256i unpack_q8_0(const void * b) {
 // q5_0: 4 low bits, the fifth from qh: the value plus 16, 0..31.
 static inline __m256i unpack_q5_0(const void * b) {
     const q5_0_block * x = (const q5_0_block *) b;
-    const __m128i lo = _mm_loadu_si128((const __m128i *) x->qs);
-    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
     uint32_t qh;
     memcpy(&qh, x->qh, 4);
-    return _mm256_or_si256(nib, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10)));
+    return _mm256_or_si256(nibbles(x->qs), _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10)));
 }
 
 typedef __m256i (*unpack_fn)(const void *);
