@@ -239,6 +239,26 @@ static int64_t unit_pairs(const struct attn * a, int64_t u, struct pair * pairs,
     return np;
 }
 
+// n (<= 8) consecutive cells' floats as 8 lanes, the lanes past them 0; and 8 lanes back into n cells
+static inline __m256 load_cells(const float * p, int n) {
+    float t[8] = {0};
+    if (n == 8) {
+        return _mm256_loadu_ps(p);
+    }
+    memcpy(t, p, n * sizeof(float));
+    return _mm256_loadu_ps(t);
+}
+
+static inline void store_cells(float * p, int n, __m256 v) {
+    float t[8];
+    if (n == 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    _mm256_storeu_ps(t, v);
+    memcpy(p, t, n * sizeof(float));
+}
+
 // a pair's block: scores scaled, capped and masked in place, the running maximum updated; the rescale of its output
 // (alpha) and the block's probabilities e (masked cells 0). False where the block has no cell for the pair. Cells go
 // 8 at a time (the last few padded), so a cell's operations do not depend on where the cache ends
@@ -249,18 +269,15 @@ static bool probabilities(const struct attn * a, const struct pair * pr, int64_t
     const ggml_fp16_t zero = GGML_CPU_FP32_TO_FP16(0.0f), masked = GGML_CPU_FP32_TO_FP16(-INFINITY);
     for (int c = 0; c < nc; c += 8) {
         const int n = nc - c < 8 ? nc - c : 8;
-        float sp[8] = {0}, tanh8[8];
+        float tanh8[8];
         ggml_fp16_t mp[8];
-        const float * sc = s + c;
         const ggml_fp16_t * mc = pr->mask ? pr->mask + c0 + c : NULL;
         if (n < 8 || !mc) {  // padded: the lanes past the block are masked
-            memcpy(sp, sc, n * sizeof(float));
             for (int j = 0; j < 8; j++)
                 mp[j] = j >= n ? masked : mc ? mc[j] : zero;
-            sc = sp;
             mc = mp;
         }
-        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sc), scale);
+        __m256 x = _mm256_mul_ps(load_cells(s + c, n), scale);
         if (a->softcap != 0.0f) {
             _mm256_storeu_ps(tanh8, x);
             for (int j = 0; j < 8; j++)
@@ -269,12 +286,7 @@ static bool probabilities(const struct attn * a, const struct pair * pr, int64_t
         }
         const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(pr->slope), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) mc)));
         const __m256 r = _mm256_blendv_ps(_mm256_add_ps(x, mv), minus_inf, _mm256_cmp_ps(mv, minus_inf, _CMP_EQ_OQ));
-        if (n == 8) {
-            _mm256_storeu_ps(s + c, r);
-        } else {
-            _mm256_storeu_ps(sp, r);
-            memcpy(s + c, sp, n * sizeof(float));
-        }
+        store_cells(s + c, n, r);
         vmax = _mm256_max_ps(vmax, r);
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
@@ -286,21 +298,11 @@ static bool probabilities(const struct attn * a, const struct pair * pr, int64_t
     const float new_max = *run_max > block_max ? *run_max : block_max;
     *alpha = expf(*run_max - new_max);  // 0 at the first block
     // exp(s - new_max), 8 cells at a time, each lane on its own; masked cells 0
-    for (int c = 0; c < nc; c += 8) {
-        float sp[8] = {0};
+    for (int c = 0; c < nc; c += 8) {  // (e may be s itself: each group is read before it is written)
         const int n = nc - c < 8 ? nc - c : 8;
-        if (n < 8) {
-            memcpy(sp, s + c, n * sizeof(float));
-        }
-        const __m256 x = _mm256_loadu_ps(n < 8 ? sp : s + c);
+        const __m256 x = load_cells(s + c, n);
         const __m256 ex = ggml_v_expf(_mm256_sub_ps(x, _mm256_set1_ps(new_max)));
-        const __m256 out = _mm256_blendv_ps(ex, _mm256_setzero_ps(), _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ));
-        if (n == 8) {
-            _mm256_storeu_ps(e + c, out);
-        } else {
-            _mm256_storeu_ps(sp, out);
-            memcpy(e + c, sp, n * sizeof(float));
-        }
+        store_cells(e + c, n, _mm256_blendv_ps(ex, _mm256_setzero_ps(), _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ)));
     }
     *run_max = new_max;
     return true;
@@ -379,12 +381,9 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
         // pairs at a time
         int64_t nv = 0;  // the pairs with a cell in the block that adds
         float alpha[FA_PAIRS];
-        for (int64_t i = 0; i < nl; i++) {
+        for (int64_t i = 0; i < nl; i++) {  // row nv <= i: the live pairs' e packed at the front of sc
             const int64_t p = idx[i];
-            float * e = sc + nv * FA_CELLS;
-            float s[FA_CELLS];
-            memcpy(s, sc + i * FA_CELLS, nc * sizeof(float));
-            if (probabilities(a, &pairs[p], c0, nc, s, &st.max[p], &alpha[nv], e)) {
+            if (probabilities(a, &pairs[p], c0, nc, sc + i * FA_CELLS, &st.max[p], &alpha[nv], sc + nv * FA_CELLS)) {
                 idx[nv++] = p;
             }
         }
