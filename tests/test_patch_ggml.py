@@ -15,16 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "native" / "ggml" / "patch_ggml.py"
 CPU = "vendor/llama.cpp/ggml/src/ggml-cpu"
-FILES = ("ggml-cpu.c", "CMakeLists.txt", "llamafile/sgemm.cpp", "ops.cpp")
+FILES = ("ggml-cpu.c", "CMakeLists.txt", "llamafile/sgemm.cpp", "ops.cpp", "arch/x86/quants.c")
 
 
 @pytest.fixture
 def sdist(tmp_path, request) -> Path:
-    """An sdist-shaped tree holding the four files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
+    """An sdist-shaped tree holding the five files the patch edits, from llama-cpp-python 0.3.36's llama.cpp: a
     source tree given in $DFLASH_LLAMA_CPP_SRC, or the sdist itself."""
     root = tmp_path / "llama_cpp_python-0.3.36"
     cpu = root / CPU
     (cpu / "llamafile").mkdir(parents=True)
+    (cpu / "arch" / "x86").mkdir(parents=True)
     given = Path(os.environ.get("DFLASH_LLAMA_CPP_SRC", "/nonexistent")) / "ggml" / "src" / "ggml-cpu"
     if (given / "ggml-cpu.c").is_file():
         for name in FILES:
@@ -109,6 +110,15 @@ def test_flash_attention_goes_to_flash_attn_c_or_else_row_by_row(sdist):
         assert (sdist / CPU / name).read_bytes() == (ROOT / "native" / "ggml" / name).read_bytes()
 
 
+def test_x86_q8_K_rows_are_quantized_by_batch_dot_c_or_else_by_the_reference(sdist):
+    assert patch(sdist).returncode == 0
+    q = (sdist / CPU / "arch" / "x86" / "quants.c").read_text()
+    assert q.count('#include "../../batch_dot.h"') == 1
+    body = q[q.index("void quantize_row_q8_K(const float"):]
+    body = body[:body.index("\n}\n")]
+    assert "if (!dflash_quantize_row_q8_K(x, y, k)) {\n        quantize_row_q8_K_ref(x, y, k);" in body
+
+
 def test_a_tree_patched_already_is_refused(sdist):
     assert patch(sdist).returncode == 0
     before = contents(sdist)
@@ -118,7 +128,9 @@ def test_a_tree_patched_already_is_refused(sdist):
 
 
 @pytest.mark.parametrize("name, old, new", [("ggml-cpu.c", "    float tmp[32];\n", "    float tmp[64];\n"),
-                                             ("ops.cpp", "const bool use_ref = params->use_ref;", "bool use_ref = 0;")])
+                                             ("ops.cpp", "const bool use_ref = params->use_ref;", "bool use_ref = 0;"),
+                                             ("arch/x86/quants.c", "    quantize_row_q8_K_ref(x, y, k);\n}",
+                                              "    quantize_row_q8_K_generic(x, y, k);\n}")])
 def test_a_llama_cpp_it_was_not_written_for_is_refused_untouched(sdist, name, old, new):
     c = sdist / CPU / name
     assert old in c.read_text()

@@ -13,8 +13,9 @@
 // in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most desktops: AMD Zen 2 and 3, Intel's
 // client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a 256-bit activation row at a time, the
 // weight's super-block unpacked once for all of them, and q4_1 so on every CPU with AVX2 (q8_0 and q5_0 go to
-// llamafile's sgemm there, README.md). dflash_batch_gemm takes whole products of q5_0 and q4_0 weights and 4 rows or
-// more (prompt chunks, verify blocks) on every CPU with AVX2.
+// llamafile's sgemm there, README.md). dflash_batch_gemm takes whole products of q5_0, q4_0 and q4_K weights and 4 rows
+// or more (prompt chunks, verify blocks) on every CPU with AVX2, and dflash_quantize_row_q8_K gives the reference's
+// q8_K bytes with AVX2.
 // Elsewhere both return false and ggml calls vec_dot as before.
 
 #include "batch_dot.h"
@@ -267,6 +268,118 @@ static void gemm_q0(enum ggml_type type, int nb, const char * w, size_t w_stride
             case 3: gemm_q0_rows(3, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
             case 2: gemm_q0_rows(2, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
             default: gemm_q0_rows(1, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
+        }
+    }
+}
+
+// ---- q4_K weights against q8_K activations: whole products, on every CPU with AVX2 ------------------------------------
+// vec_dot per super-block (as dot_q4_K below): the exact integer sum over its 8 sub-blocks of scale x (maddubs + madd of
+// quants), one fused multiply-add by y.d * x.d into 8 float lanes, and the mins' part (the activation's 16-value sums
+// paired by hadd, madd by the 8 mins) by -y.d * x.dmin into 4 more; then hsum8 + hsum4. A tile of 4 weight rows x 2
+// activation rows shares each loaded activation and each weight's unpacked quants: the integer sums, their order free
+// (exact), and the same float operations per element. A weight row's scales and mins are unpacked once per tile.
+typedef struct { int16_t sc[8]; __m128i mins; float d, dmin; } q4_K_unpacked;
+
+static inline __attribute__((always_inline)) void gemm_q4_K_tile(const int R, const int C, const q4_K_block * const * w,
+                                                                 const q4_K_unpacked * u, int nb, const char * y,
+                                                                 size_t y_stride, float * dst, size_t dst_stride) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[GEMM_ROWS][GEMM_COLS];
+    __m128 acc_m[GEMM_ROWS][GEMM_COLS];
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_setzero_ps();
+            acc_m[r][c] = _mm_setzero_ps();
+        }
+    }
+    for (int b = 0; b < nb; ++b) {
+        const q8_K_block * yb[GEMM_COLS];
+        __m256i sumi[GEMM_ROWS][GEMM_COLS];
+        for (int c = 0; c < C; ++c) {
+            yb[c] = (const q8_K_block *) (y + c * y_stride) + b;
+            for (int r = 0; r < R; ++r) {
+                sumi[r][c] = _mm256_setzero_si256();
+            }
+        }
+        for (int j = 0; j < 4; ++j) {
+            __m256i yl[GEMM_COLS], yh[GEMM_COLS];
+            for (int c = 0; c < C; ++c) {
+                yl[c] = _mm256_loadu_si256((const __m256i *) (yb[c]->qs + 64 * j));
+                yh[c] = _mm256_loadu_si256((const __m256i *) (yb[c]->qs + 64 * j + 32));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *) (w[r][b].qs + 32 * j));
+                const __m256i ql = _mm256_and_si256(bits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                const q4_K_unpacked * ub = &u[b * R + r];
+                const __m256i sl = _mm256_set1_epi16(ub->sc[2 * j]), sh = _mm256_set1_epi16(ub->sc[2 * j + 1]);
+                for (int c = 0; c < C; ++c) {
+                    const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, yl[c]));
+                    const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, yh[c]));
+                    sumi[r][c] = _mm256_add_epi32(sumi[r][c], _mm256_add_epi32(pl, ph));
+                }
+            }
+        }
+        for (int c = 0; c < C; ++c) {
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) yb[c]->bsums);
+            const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+            for (int r = 0; r < R; ++r) {
+                const q4_K_unpacked * ub = &u[b * R + r];
+                const float d = yb[c]->d * ub->d, dmin = -yb[c]->d * ub->dmin;
+                acc_m[r][c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(ub->mins, q8s)),
+                                           acc_m[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r][c]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            __m128 m = _mm_add_ps(acc_m[r][c], _mm_movehl_ps(acc_m[r][c], acc_m[r][c]));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            dst[c * dst_stride + r] = hsum8(acc[r][c]) + _mm_cvtss_f32(m);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_q4_K_rows(const int R, const q4_K_block * const * w,
+                                                                 const q4_K_unpacked * u, int nb, const char * y,
+                                                                 size_t y_stride, int ny, float * dst,
+                                                                 size_t dst_stride) {
+    int c = 0;
+    for (; c + GEMM_COLS <= ny; c += GEMM_COLS) {
+        gemm_q4_K_tile(R, GEMM_COLS, w, u, nb, y + c * y_stride, y_stride, dst + c * dst_stride, dst_stride);
+    }
+    for (; c < ny; ++c) {
+        gemm_q4_K_tile(R, 1, w, u, nb, y + c * y_stride, y_stride, dst + c * dst_stride, dst_stride);
+    }
+}
+
+static void gemm_q4_K(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                      float * dst, size_t dst_stride, int ith, int nth) {
+    q4_K_unpacked u[GEMM_ROWS * nb];
+    const int tiles = (nw + GEMM_ROWS - 1) / GEMM_ROWS;
+    for (int t = tiles * ith / nth; t < tiles * (ith + 1) / nth; ++t) {
+        const int i0 = t * GEMM_ROWS, R = nw - i0 < GEMM_ROWS ? nw - i0 : GEMM_ROWS;
+        const q4_K_block * rows[GEMM_ROWS];
+        for (int r = 0; r < R; ++r) {
+            rows[r] = (const q4_K_block *) (w + (size_t) (i0 + r) * w_stride);
+            for (int b = 0; b < nb; ++b) {
+                uint32_t s4[4];
+                q4_K_scales(&rows[r][b], s4);
+                const uint8_t * sc = (const uint8_t *) s4;
+                q4_K_unpacked * o = &u[b * R + r];
+                for (int k = 0; k < 8; ++k) {
+                    o->sc[k] = sc[k];
+                }
+                o->mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) s4[3], (int) s4[2]));
+                o->d = f16(rows[r][b].d);
+                o->dmin = f16(rows[r][b].dmin);
+            }
+        }
+        switch (R) {
+            case 4: gemm_q4_K_rows(4, rows, u, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            case 3: gemm_q4_K_rows(3, rows, u, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            case 2: gemm_q4_K_rows(2, rows, u, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            default: gemm_q4_K_rows(1, rows, u, nb, y, y_stride, ny, dst + i0, dst_stride); break;
         }
     }
 }
@@ -690,6 +803,83 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
 
 #endif
 
+#ifdef DFLASH_AVX2
+
+// ---- q8_K activations (the rows that meet q4_K and q6_K weights) -----------------------------------------------------
+// quantize_row_q8_K_ref, which ggml's x86 build calls for every such row (ggml-base has no vector flags: plain float
+// multiplies and adds, no fused ones): per super-block of 256 the first value of largest magnitude, iscale = -127 / it,
+// each value's nearest_int(iscale * x) (x + 12582912 as a float, its low 22 bits less 2^22: ties to even) kept under
+// 128 and stored as its low byte, the sums of each 16, and d = 1 / iscale; an all-zero block gets d = 0 and zero quants
+// and keeps its sums. The same float operations 8 lanes at a time give the same bits, non-finite values included.
+static void quantize_q8_K(const float * x, q8_K_block * y, int64_t k) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256i low = _mm256_set1_epi32(0x007fffff), bias = _mm256_set1_epi32(0x00400000),
+                  top = _mm256_set1_epi32(127), byte = _mm256_set1_epi32(0xff);
+    for (int64_t i = 0; i < k / 256; ++i, x += 256) {
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8)  // a NaN lane keeps m's: the reference's `ax > amax` skips NaN
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), m);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        if (amax == 0.0f) {
+            y[i].d = 0.0f;
+            memset(y[i].qs, 0, 256);
+            continue;
+        }
+        int first = 0;  // the first value of that magnitude, as the reference's strict `>` finds it
+        for (int j = 0; j < 256; j += 8) {
+            const int hit = _mm256_movemask_ps(
+                _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+            if (hit) {
+                first = j + __builtin_ctz((unsigned) hit);
+                break;
+            }
+        }
+        const float iscale = -127.0f / x[first];
+        const __m256 vs = _mm256_set1_ps(iscale);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i q[4];
+            for (int h = 0; h < 4; ++h) {
+                const __m256 t = _mm256_add_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 8 * h)), magic);
+                const __m256i v = _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(t), low), bias);
+                q[h] = _mm256_min_epi32(v, top);
+            }
+            // the sums of each 16 values as stored (their low bytes, sign-extended)
+            for (int h = 0; h < 4; h += 2) {
+                const __m256i s = _mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(q[h], 24), 24),
+                                                   _mm256_srai_epi32(_mm256_slli_epi32(q[h + 1], 24), 24));
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+                y[i].bsums[(j + 8 * h) / 16] = (int16_t) _mm_cvtsi128_si32(s4);
+            }
+            // the low bytes, in order (the packs interleave 128-bit lanes; the permute puts them back)
+            const __m256i w01 = _mm256_packus_epi32(_mm256_and_si256(q[0], byte), _mm256_and_si256(q[1], byte));
+            const __m256i w23 = _mm256_packus_epi32(_mm256_and_si256(q[2], byte), _mm256_and_si256(q[3], byte));
+            const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w01, w23),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *) (y[i].qs + j), b);
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
+#endif  // DFLASH_AVX2
+
+bool dflash_quantize_row_q8_K(const float * x, void * y, int64_t k) {
+#ifdef DFLASH_AVX2
+    if (k % 256) {
+        return false;
+    }
+    quantize_q8_K(x, (q8_K_block *) y, k);
+    return true;
+#else
+    (void) x, (void) y, (void) k;
+    return false;
+#endif
+}
+
 bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                       size_t y_stride, int ny, float * dst, size_t dst_stride) {
 #ifdef DFLASH_AVX2
@@ -724,12 +914,22 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
 bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                        size_t y_stride, int ny, float * dst, size_t dst_stride, int ith, int nth) {
 #ifdef DFLASH_AVX2
-    if (ny < GEMM_MIN_COLS || nw < 1 || n / 32 > GEMM_MAX_BLOCKS ||
-        (type != GGML_TYPE_Q5_0 && type != GGML_TYPE_Q4_0)) {
+    if (ny < GEMM_MIN_COLS || nw < 1 || n / 32 > GEMM_MAX_BLOCKS) {
         return false;  // on every thread alike
     }
-    gemm_q0(type, n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith, nth);
-    return true;
+    switch (type) {
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q4_0:
+            gemm_q0(type, n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
+                    nth);
+            return true;
+        case GGML_TYPE_Q4_K:
+            gemm_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
+                      nth);
+            return true;
+        default:
+            return false;
+    }
 #else
     (void) type, (void) n, (void) w, (void) w_stride, (void) nw, (void) y, (void) y_stride, (void) ny, (void) dst;
     (void) dst_stride, (void) ith, (void) nth;

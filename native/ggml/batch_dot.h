@@ -29,6 +29,13 @@ __attribute__((visibility("default")))
 bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                        size_t y_stride, int ny, float * dst, size_t dst_stride, int ith, int nth);
 
+// quantize_row_q8_K_ref's bytes, computed with AVX2 (x86's quantize_row_q8_K is that scalar reference). False,
+// writing nothing, where this build has no such kernel (or k is not a multiple of 256).
+#if defined(__GNUC__)
+__attribute__((visibility("default")))
+#endif
+bool dflash_quantize_row_q8_K(const float * x, void * y, int64_t k);
+
 #ifdef __cplusplus
 }
 #endif

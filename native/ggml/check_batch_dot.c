@@ -2,10 +2,11 @@
 // each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
 // none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Then dflash_batch_gemm the same
 // way: whole products of 4..64 rows shared by 1, 2 and 3 threads ("gemm TYPE: no kernel" where it has none), and
-// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers). Built and run by
+// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers; q4_K 2048 x 2048). Built and run by
 // tests/test_batch_dot.py against the installed llama.cpp:
 //   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
 // (batch_dot.c is in libggml-cpu, built by scripts/setup.sh).
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,8 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
                       size_t y_stride, int ny, float * dst, size_t dst_stride);
 bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                        size_t y_stride, int ny, float * dst, size_t dst_stride, int ith, int nth);
+bool dflash_quantize_row_q8_K(const float * x, void * y, int64_t k);
+void quantize_row_q8_K_ref(const float * x, void * y, int64_t k);  // ggml-base (ggml-quants.h)
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
@@ -35,6 +38,52 @@ static void random_rows(enum ggml_type type, enum ggml_type vt, int n, int nw, i
         ggml_get_type_traits_cpu(vt)->from_float(f, Y + j * ys, n);
     }
     free(f);
+}
+
+// ggml's q8_K quantizer (the CPU build's, batch_dot.c's where it has one) against quantize_row_q8_K_ref, byte for
+// byte: random super-blocks of many scales, and ones made to be hard (all zero, a tie for the largest magnitude, values
+// that scale to halves, -0, subnormals, infinities, NaN). "q8_K: no kernel" where the build has none.
+static int check_q8_K(int bench) {
+    enum { BLOCKS = 64, QK = 256 };
+    const size_t bs = ggml_row_size(GGML_TYPE_Q8_K, QK);
+    float * x = malloc(sizeof(float) * QK * BLOCKS);
+    for (int b = 0; b < BLOCKS; ++b) {
+        const float sc = b % 2 ? (rand() % 1000) / 10.0f + 1e-3f : 1e-30f * (b + 1);
+        for (int k = 0; k < QK; ++k) x[b * QK + k] = sc * ((rand() / (float) RAND_MAX) * 2 - 1);
+    }
+    float * hard = x + (BLOCKS - 8) * QK;
+    memset(hard, 0, sizeof(float) * QK * 4);                       // all zero, then:
+    hard[QK + 7] = 3.0f, hard[QK + 100] = -3.0f, hard[QK + 101] = 1.0f;  // a tie: the first wins
+    for (int k = 0; k < QK; ++k) hard[2 * QK + k] = k % 2 ? -127.0f : 0.5f + (k % 100);  // iscale 1: exact halves
+    for (int k = 0; k < QK; ++k) hard[3 * QK + k] = (k % 3 - 1) * 1e-40f * k;  // subnormals and -0
+    hard[4 * QK + 3] = INFINITY;
+    hard[5 * QK + 4] = NAN;
+    hard[6 * QK + 0] = -INFINITY, hard[6 * QK + 1] = NAN;
+    char * ref = malloc(bs * BLOCKS), * out = malloc(bs * BLOCKS);
+    memset(ref, 0xab, bs * BLOCKS);
+    memset(out, 0xab, bs * BLOCKS);
+    quantize_row_q8_K_ref(x, ref, (int64_t) QK * BLOCKS);
+    if (!dflash_quantize_row_q8_K(x, out, (int64_t) QK * BLOCKS)) {
+        printf("q8_K: no kernel\n");
+        free(x); free(ref); free(out);
+        return 0;
+    }
+    int diff = 0;
+    for (int b = 0; b < BLOCKS; ++b) diff += memcmp(out + b * bs, ref + b * bs, bs) != 0;
+    memset(out, 0xab, bs * BLOCKS);
+    ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x, out, (int64_t) QK * BLOCKS);  // what ggml's matmul calls
+    for (int b = 0; b < BLOCKS; ++b) diff += memcmp(out + b * bs, ref + b * bs, bs) != 0;
+    if (diff || bench) {
+        const double t0 = now();
+        for (int r = 0; r < 1000; ++r) quantize_row_q8_K_ref(x, ref, (int64_t) QK * BLOCKS);
+        const double t1 = now();
+        for (int r = 0; r < 1000; ++r) dflash_quantize_row_q8_K(x, out, (int64_t) QK * BLOCKS);
+        const double t2 = now();
+        printf("q8_K: %d of %d super-blocks differ; reference %.2f us, AVX2 %.2f us per %d values\n", diff,
+               2 * BLOCKS, (t1 - t0) * 1e3, (t2 - t1) * 1e3, QK * BLOCKS);
+    }
+    free(x); free(ref); free(out);
+    return diff;
 }
 
 int main(int argc, char ** argv) {
@@ -83,14 +132,15 @@ int main(int argc, char ** argv) {
         }
         free(W); free(Y); free(ref); free(out);
     }
-    const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0};
-    for (int t = 0; t < 2; ++t) {
+    const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K};
+    for (int t = 0; t < 3; ++t) {
         const enum ggml_type type = gemm_types[t];
         const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
-        const int n = 640, nw = bench ? 2048 : 67, nmax = bench ? 512 : 64;
-        const size_t ws = ggml_row_size(type, n), ys = ggml_row_size(GGML_TYPE_Q8_0, n);
+        const int n = type == GGML_TYPE_Q4_K ? (bench ? 2048 : 768) : 640, nw = bench ? 2048 : 67,
+                  nmax = bench ? 512 : 64;
+        const size_t ws = ggml_row_size(type, n), ys = ggml_row_size(tw->vec_dot_type, n);
         char * W = malloc(ws * nw), * Y = malloc(ys * nmax);
-        random_rows(type, GGML_TYPE_Q8_0, n, nw, nmax, W, Y);
+        random_rows(type, tw->vec_dot_type, n, nw, nmax, W, Y);
         float * ref = malloc(sizeof(float) * nw * nmax), * out = malloc(sizeof(float) * nw * nmax);
         const double t0 = now();
         for (int j = 0; j < nmax; ++j)
@@ -121,6 +171,7 @@ int main(int argc, char ** argv) {
         }
         free(W); free(Y); free(ref); free(out);
     }
+    bad += check_q8_K(bench);
     printf("%s\n", bad ? "FAIL" : "all identical");
     return bad != 0;
 }

@@ -178,6 +178,21 @@ FA_REF_NEW = """    // dflash-local: every batch by the one-row kernel, whose bi
 """
 OPS_INCLUDE_ANCHOR = '#include "vec.h"\n'
 
+# x86's quantize_row_q8_K (the activations of every q4_K and q6_K product) is the scalar reference: batch_dot.c gives
+# its bytes with AVX2
+Q8_K_ANCHOR = """void quantize_row_q8_K(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_q8_K_ref(x, y, k);
+}
+"""
+Q8_K_CALL = """void quantize_row_q8_K(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    // dflash-local: the reference's bytes, 8 values at a time (batch_dot.c)
+    if (!dflash_quantize_row_q8_K(x, y, k)) {
+        quantize_row_q8_K_ref(x, y, k);
+    }
+}
+"""
+X86_INCLUDE_ANCHOR = '#include "../../quants.h"\n'
+
 
 def replace_once(text: str, anchor: str, new: str, where: Path) -> str:
     if text.count(anchor) != 1:
@@ -206,6 +221,10 @@ def main(sdist: Path) -> None:
     o = replace_once(ops.read_text(), OPS_INCLUDE_ANCHOR, OPS_INCLUDE_ANCHOR + '#include "flash_attn.h"\n', ops)
     o = replace_once(o, FA_ANCHOR, FA_CALL, ops)
     o = replace_once(o, FA_REF_ANCHOR, FA_REF_NEW, ops)
+    quants = cpu / "arch" / "x86" / "quants.c"
+    q = replace_once(quants.read_text(), X86_INCLUDE_ANCHOR, X86_INCLUDE_ANCHOR + '#include "../../batch_dot.h"\n',
+                     quants)
+    q = replace_once(q, Q8_K_ANCHOR, Q8_K_CALL, quants)
     cmake = cpu / "CMakeLists.txt"
     m = replace_once(cmake.read_text(), SOURCES_ANCHOR,
                      SOURCES_ANCHOR + "        ggml-cpu/batch_dot.c\n        ggml-cpu/flash_attn.c\n", cmake)
@@ -214,9 +233,10 @@ def main(sdist: Path) -> None:
     (cpu / "ggml-cpu.c").write_text(c)
     sgemm.write_text(g)
     ops.write_text(o)
+    quants.write_text(q)
     cmake.write_text(m)
     print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products and given "
-          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention by flash_attn.c")
+          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention by flash_attn.c; q8_K rows quantized with AVX2")
 
 
 if __name__ == "__main__":
