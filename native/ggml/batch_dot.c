@@ -174,7 +174,7 @@ static bool dot_q4_1(int nb, const char * w, size_t w_stride, int nw, const char
 // 4 weight rows x 2 activation rows a tile: a 2048 x 640 q5_0 product of 512 rows (one thread, best of 7) took 18.4
 // ms, 4 x 3 and 3 x 4 tiles 20-25, 2 x 4 22, sgemm 30; from 4 activation rows it is faster than sgemm (1.2x at 4, 1.5x
 // at 16). The unpacked rows go on the stack (GEMM_MAX_BLOCKS: 128 KB); wider rows go to sgemm.
-enum { GEMM_ROWS = 4, GEMM_COLS = 2, GEMM_MIN_COLS = 4, GEMM_MAX_BLOCKS = 512 };
+enum { GEMM_ROWS = 4, GEMM_COLS = 2, GEMM_MIN_COLS = 4, GEMM_MIN_COLS_K = 32, GEMM_MAX_BLOCKS = 512 };
 
 typedef struct { __m256i q; __m256 d; } q0_unpacked;
 
@@ -923,7 +923,10 @@ bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stri
             gemm_q0(type, n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
                     nth);
             return true;
-        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q4_K:  // below 32 rows (verify blocks) the 16-row tiles are as fast, on 2 threads faster
+            if (ny < GEMM_MIN_COLS_K) {
+                return false;
+            }
             gemm_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
                       nth);
             return true;

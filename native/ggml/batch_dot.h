@@ -20,9 +20,9 @@ __attribute__((visibility("default")))  // tests/test_batch_dot.py calls it in t
 bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_stride, int nw, const void * y,
                       size_t y_stride, int ny, float * dst, size_t dst_stride);
 
-// The same for a whole product of ny >= 32 activation rows (a prompt chunk), thread ith of nth computing its share of
-// the weight rows (nothing shared). False, computing nothing, on every thread alike where it has no kernel: the caller
-// goes on to its other paths.
+// The same for a whole product of ny >= 4 activation rows (q4_K: 32), a prompt chunk or a verify block, thread ith of
+// nth computing its share of the weight rows (nothing shared). False, computing nothing, on every thread alike where it
+// has no kernel: the caller goes on to its other paths.
 #if defined(__GNUC__)
 __attribute__((visibility("default")))
 #endif

@@ -147,9 +147,10 @@ int main(int argc, char ** argv) {
             for (int i = 0; i < nw; ++i)
                 tw->vec_dot(n, &ref[j * nw + i], 0, W + i * ws, 0, Y + j * ys, 0, 1);
         const double t1 = now();
-        const int counts[] = {4, 5, 31, 64, 512};
-        for (int c = 0; c < 5; ++c) {
+        const int counts[] = {4, 5, 31, 32, 33, 64, 512};
+        for (int c = 0; c < 7; ++c) {
             const int cnt = counts[c];
+            if (type == GGML_TYPE_Q4_K && cnt < 32) continue;  // those go to the 16-row tiles
             if (cnt > nmax || (bench && cnt != nmax)) continue;
             for (int nth = bench ? 1 : 3; nth >= 1; --nth) {  // the threads' shares, one after the other
                 memset(out, 0xff, sizeof(float) * nw * nmax);
@@ -158,7 +159,7 @@ int main(int argc, char ** argv) {
                 for (int ith = 0; ith < nth; ++ith)
                     ok &= dflash_batch_gemm(type, n, W, ws, nw, Y, ys, cnt, out, nw, ith, nth);
                 const double t3 = now();
-                if (!ok) { printf("gemm %s: no kernel\n", ggml_type_name(type)); c = 5; break; }
+                if (!ok) { printf("gemm %s: no kernel\n", ggml_type_name(type)); c = 7; break; }
                 int diff = 0;
                 for (int i = 0; i < nw * cnt; ++i) diff += memcmp(&out[i], &ref[i], 4) != 0;
                 bad += diff;
