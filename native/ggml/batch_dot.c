@@ -64,12 +64,16 @@ static inline __m256i nibbles(const uint8_t * qs) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F));
 }
 
-// The horizontal sum vec_dot ends with: high half onto low half, then pairs, then the last two.
-static inline float hsum8(__m256 x) {
-    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+// The horizontal sums vec_dot ends with: of 4 lanes (q4_K's mins), pairs then the last two; of 8, the high half onto
+// the low half first.
+static inline float hsum4(__m128 r) {
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
     return _mm_cvtss_f32(r);
+}
+
+static inline float hsum8(__m256 x) {
+    return hsum4(_mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x)));
 }
 
 // The 6-bit scales (0..7) and mins (8..15) of a q4_K super-block's 8 sub-blocks, unpacked as vec_dot does.
@@ -80,6 +84,17 @@ static inline void q4_K_scales(const q4_K_block * x, uint32_t u[4]) {
     u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
     u[2] = u1;
     u[0] &= 0x3f3f3f3f;
+}
+
+// The 8 mins of q4_K_scales' u as 16-bit lanes.
+static inline __m128i q4_K_mins(const uint32_t u[4]) {
+    return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
+}
+
+// A q8_K super-block's 16 sums of 16 quants added in pairs (vec_dot's hadd): the sums of its 8 sub-blocks of 32.
+static inline __m128i q8_K_pair_sums(const q8_K_block * y) {
+    const __m256i sums = _mm256_loadu_si256((const __m256i *) y->bsums);
+    return _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
 }
 
 // q6_K's 6-bit quants of a super-block, unsigned (0..63; vec_dot takes the 32 off through the bsums), in 8 chunks of
@@ -272,12 +287,12 @@ static void gemm_q0(enum ggml_type type, int nb, const char * w, size_t w_stride
     }
 }
 
-// ---- q4_K weights against q8_K activations: whole products, on every CPU with AVX2 ------------------------------------
-// vec_dot per super-block (as dot_q4_K below): the exact integer sum over its 8 sub-blocks of scale x (maddubs + madd of
-// quants), one fused multiply-add by y.d * x.d into 8 float lanes, and the mins' part (the activation's 16-value sums
-// paired by hadd, madd by the 8 mins) by -y.d * x.dmin into 4 more; then hsum8 + hsum4. A tile of 4 weight rows x 2
-// activation rows shares each loaded activation and each weight's unpacked quants: the integer sums, their order free
-// (exact), and the same float operations per element. A weight row's scales and mins are unpacked once per tile.
+// ---- q4_K weights against q8_K activations: whole products, on every CPU with AVX2 ----------------------------------
+// vec_dot per super-block (as dot_q4_K below): the exact integer sum over its 8 sub-blocks of scale x (maddubs + madd
+// of quants), one fused multiply-add by y.d * x.d into 8 float lanes, and the mins' part (the activation's 16-value
+// sums paired by hadd, madd by the 8 mins) by -y.d * x.dmin into 4 more; then hsum8 + hsum4. A tile of 4 weight rows
+// x 2 activation rows shares each loaded activation and each weight's unpacked quants: the integer sums, their order
+// free (exact), and the same float operations per element. A weight row's scales and mins are unpacked once per tile.
 typedef struct { int16_t sc[8]; __m128i mins; float d, dmin; } q4_K_unpacked;
 
 static inline __attribute__((always_inline)) void gemm_q4_K_tile(const int R, const int C, const q4_K_block * const * w,
@@ -320,8 +335,7 @@ static inline __attribute__((always_inline)) void gemm_q4_K_tile(const int R, co
             }
         }
         for (int c = 0; c < C; ++c) {
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) yb[c]->bsums);
-            const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+            const __m128i q8s = q8_K_pair_sums(yb[c]);
             for (int r = 0; r < R; ++r) {
                 const q4_K_unpacked * ub = &u[b * R + r];
                 const float d = yb[c]->d * ub->d, dmin = -yb[c]->d * ub->dmin;
@@ -333,9 +347,7 @@ static inline __attribute__((always_inline)) void gemm_q4_K_tile(const int R, co
     }
     for (int r = 0; r < R; ++r) {
         for (int c = 0; c < C; ++c) {
-            __m128 m = _mm_add_ps(acc_m[r][c], _mm_movehl_ps(acc_m[r][c], acc_m[r][c]));
-            m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            dst[c * dst_stride + r] = hsum8(acc[r][c]) + _mm_cvtss_f32(m);
+            dst[c * dst_stride + r] = hsum8(acc[r][c]) + hsum4(acc_m[r][c]);
         }
     }
 }
@@ -370,7 +382,7 @@ static void gemm_q4_K(int nb, const char * w, size_t w_stride, int nw, const cha
                 for (int k = 0; k < 8; ++k) {
                     o->sc[k] = sc[k];
                 }
-                o->mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) s4[3], (int) s4[2]));
+                o->mins = q4_K_mins(s4);
                 o->d = f16(rows[r][b].d);
                 o->dmin = f16(rows[r][b].dmin);
             }
@@ -616,8 +628,7 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
             uint32_t u[4];
             q4_K_scales(&x[b], u);
             const uint8_t * sc = (const uint8_t *) u;  // scales 0..7, then mins 0..7
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
-            const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
+            const __m256i mins2 = _mm256_broadcastsi128_si256(q4_K_mins(u));
             const __m512 xd = _mm512_set1_ps(f16(x[b].d));
             const __m256 xdmin = _mm256_set1_ps(f16(x[b].dmin));
             __m512i ql[4], qh[4], sl[4], sh[4];
@@ -648,11 +659,9 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
         for (int p = 0; p < np; ++p) {
             float out[2];
             for (int h = 0; h < 2; ++h) {
-                __m128 m = h ? _mm256_extractf128_ps(acc_m[p], 1) : _mm256_castps256_ps128(acc_m[p]);
-                m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-                m = _mm_add_ss(m, _mm_movehdup_ps(m));
+                const __m128 m = h ? _mm256_extractf128_ps(acc_m[p], 1) : _mm256_castps256_ps128(acc_m[p]);
                 const __m256 a = h ? _mm512_extractf32x8_ps(acc[p], 1) : _mm512_castps512_ps256(acc[p]);
-                out[h] = hsum8(a) + _mm_cvtss_f32(m);
+                out[h] = hsum8(a) + hsum4(m);
             }
             put_pair(dst, dst_stride, ny, p, i, out[0], out[1]);
         }
@@ -727,7 +736,7 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
             uint32_t u[4];
             q4_K_scales(&x[b], u);
             const uint8_t * sc = (const uint8_t *) u;
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int) u[3], (int) u[2]));
+            const __m128i mins = q4_K_mins(u);
             const float xd = f16(x[b].d), xdmin = f16(x[b].dmin);
             __m256i ql[4], qh[4];
             for (int j = 0; j < 4; ++j) {
@@ -739,9 +748,7 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
                 const q8_K_block * yb = (const q8_K_block *) (y + r * y_stride) + b;
                 const float d = yb->d * xd;
                 const float dmin = -yb->d * xdmin;
-                const __m256i q8sums = _mm256_loadu_si256((const __m256i *) yb->bsums);
-                const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
-                const __m128i prod = _mm_madd_epi16(mins, q8s);
+                const __m128i prod = _mm_madd_epi16(mins, q8_K_pair_sums(yb));
                 acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
                 __m256i sumi = _mm256_setzero_si256();
                 for (int j = 0; j < 4; ++j) {
@@ -756,9 +763,7 @@ static bool dot_q4_K(int nb, const char * w, size_t w_stride, int nw, const char
             }
         }
         for (int r = 0; r < ny; ++r) {
-            __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-            m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            dst[(size_t) r * dst_stride + i] = hsum8(acc[r]) + _mm_cvtss_f32(m);
+            dst[(size_t) r * dst_stride + i] = hsum8(acc[r]) + hsum4(acc_m[r]);
         }
     }
     return true;
@@ -805,7 +810,7 @@ static bool dot_q6_K(int nb, const char * w, size_t w_stride, int nw, const char
 
 #ifdef DFLASH_AVX2
 
-// ---- q8_K activations (the rows that meet q4_K and q6_K weights) -----------------------------------------------------
+// ---- q8_K activations (the rows that meet q4_K and q6_K weights) ---------------------------------------------------
 // quantize_row_q8_K_ref, which ggml's x86 build calls for every such row (ggml-base has no vector flags: plain float
 // multiplies and adds, no fused ones): per super-block of 256 the first value of largest magnitude, iscale = -127 / it,
 // each value's nearest_int(iscale * x) (x + 12582912 as a float, its low 22 bits less 2^22: ties to even) kept under

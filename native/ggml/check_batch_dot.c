@@ -2,8 +2,9 @@
 // each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
 // none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Then dflash_batch_gemm the same
 // way: whole products of 4..64 rows shared by 1, 2 and 3 threads ("gemm TYPE: no kernel" where it has none), and
-// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers; q4_K 2048 x 2048). Built and run by
-// tests/test_batch_dot.py against the installed llama.cpp:
+// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers; q4_K 2048 x 2048).
+// Then the q8_K quantizer against the reference, byte for byte. Built and run by tests/test_batch_dot.py against the
+// installed llama.cpp:
 //   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
 // (batch_dot.c is in libggml-cpu, built by scripts/setup.sh).
 #include <math.h>
@@ -147,8 +148,8 @@ int main(int argc, char ** argv) {
             for (int i = 0; i < nw; ++i)
                 tw->vec_dot(n, &ref[j * nw + i], 0, W + i * ws, 0, Y + j * ys, 0, 1);
         const double t1 = now();
-        const int counts[] = {4, 5, 31, 32, 33, 64, 512};
-        for (int c = 0; c < 7; ++c) {
+        const int counts[] = {4, 5, 31, 32, 33, 64, 512}, n_counts = sizeof(counts) / sizeof(counts[0]);
+        for (int c = 0; c < n_counts; ++c) {
             const int cnt = counts[c];
             if (type == GGML_TYPE_Q4_K && cnt < 32) continue;  // those go to the 16-row tiles
             if (cnt > nmax || (bench && cnt != nmax)) continue;
@@ -159,7 +160,7 @@ int main(int argc, char ** argv) {
                 for (int ith = 0; ith < nth; ++ith)
                     ok &= dflash_batch_gemm(type, n, W, ws, nw, Y, ys, cnt, out, nw, ith, nth);
                 const double t3 = now();
-                if (!ok) { printf("gemm %s: no kernel\n", ggml_type_name(type)); c = 7; break; }
+                if (!ok) { printf("gemm %s: no kernel\n", ggml_type_name(type)); c = n_counts; break; }
                 int diff = 0;
                 for (int i = 0; i < nw * cnt; ++i) diff += memcmp(&out[i], &ref[i], 4) != 0;
                 bad += diff;

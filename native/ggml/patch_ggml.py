@@ -236,7 +236,8 @@ def main(sdist: Path) -> None:
     quants.write_text(q)
     cmake.write_text(m)
     print(f"patched {cpu}: batch_dot.c added to ggml's CPU matmul, sgemm kept to batch-invariant products and given "
-          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention by flash_attn.c; q8_K rows quantized with AVX2")
+          "a cache slice's heads at once, its q8_0-family tiles prefetching; flash attention by flash_attn.c; q8_K rows "
+          "quantized with AVX2")
 
 
 if __name__ == "__main__":
