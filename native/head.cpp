@@ -251,7 +251,7 @@ void Session::build_greedy_head() {
     if (greedy_head_mode == 0 || !head_w || greedy_head || !GreedyHead::supported(head_w)) {
         return;
     }
-    if (greedy_head_mode == 1 || (GreedyHead::fast() && 4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model))) {
+    if (greedy_head_mode == 1 || 4 * ggml_nbytes(head_w) >= llama_model_size(tgt.model)) {
         greedy_head = std::make_unique<GreedyHead>(head_w, (int) llama_n_threads_batch(ctx_tgt));
     }
 }

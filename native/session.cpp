@@ -217,8 +217,9 @@ double Session::verify_blocks(const Group & g, const std::vector<SlotStep> & ste
     }
     const bool scratch = add_scratch(st0.last, g.n, at(st0.slot).past, true);
     // a plain step's one row goes llama.cpp's way where the greedy head has no part in it (nothing to save, and
-    // llama.cpp's head skips a graph split); every other row's LM head waits for the accept loop
-    const bool on_demand = g.n > 1 || pad || (g.ranges[0].keep && greedy_head);
+    // llama.cpp's head skips a graph split; on AVX2 alone the greedy head takes no single row); every other row's LM
+    // head waits for the accept loop
+    const bool on_demand = g.n > 1 || pad || (g.ranges[0].keep && greedy_head && GreedyHead::fast());
     const auto t0 = std::chrono::steady_clock::now();
     capture = std::any_of(g.steps.begin(), g.steps.end(), [&](int k) { return at(steps[k].slot).capture; });
     interruptible = may_interrupt;

@@ -138,8 +138,8 @@ public:
     void set_head_on_demand(bool on) { head_on_demand = on; }
     bool head_on_demand_active() const { return head_on_demand && head_w; }
     // Whether greedy rows compute only their argmax, and top-k rows their top (greedy_head.h): true wherever the
-    // head's type and the CPU allow, false never, none (the default) where the head is a large part of the target
-    // and the CPU has AVX512-VNNI.
+    // head's type and the CPU allow, false never, none (the default) where the head is a large part of the target.
+    // On AVX2 without AVX512-VNNI a plain step's one row stays in llama.cpp's graph.
     void set_greedy_head(std::optional<bool> on);
     bool greedy_head_active() const { return head_on_demand_active() && greedy_head != nullptr; }
     size_t greedy_head_bytes() const { return greedy_head ? greedy_head->bytes() : 0; }

@@ -15,20 +15,13 @@ import pytest
 
 import llama_cpp
 from dflash_local import Engine, _native
+from cpu import cpu_flags
 from fixtures import write_tiny_drafter, write_tiny_target
 from lossless import assert_scripted_lossless
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(llama_cpp.__file__).parent.parent
 TYPES = ["q8_0", "q5_0", "q4_1", "q4_K", "q6_K"]
-
-
-def cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in (cpuinfo.read_text() if cpuinfo.exists() else "").splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 # batch_dot.c's kernels (the build is -march=native): every type where vec_dot takes AVX2 with AVX512-VNNI lane sums,
