@@ -53,6 +53,8 @@ PYBIND11_MODULE(_native, m) {
           "Whether its sgemm leaves a row alone to vec_dot, as upstream's does (setup.sh's keeps it invariant).");
     m.def("cpu_flash_attn_batch_invariant", &flash_attn_batch_invariant,
           "Whether CPU flash attention gives a row the same bits whatever the batch (setup.sh's build).");
+    m.def("greedy_head_fast", &GreedyHead::fast,
+          "Whether the greedy head's int8 pass has AVX512-VNNI (then it takes a plain step's row too).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("supports_rpc", []() { return llama_supports_rpc(); });
     m.def("add_rpc_server", &add_rpc_server, py::arg("endpoint"),

@@ -9,7 +9,3 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
-
-
-# the greedy head's int8 pass on AVX512-VNNI (native/greedy_head.cpp), which takes a plain step's row too
-GREEDY_VNNI = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()

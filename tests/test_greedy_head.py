@@ -6,7 +6,7 @@ and sampled decoding stay token-identical to decoding with the full head."""
 import gguf
 import numpy as np
 import pytest
-from cpu import GREEDY_VNNI, cpu_flags
+from cpu import cpu_flags
 from fixtures import write_tiny_target
 from scripted import ScriptedDrafter
 
@@ -20,7 +20,7 @@ GREEDY = _native.Sampling()
 # the int8 copy's dot products run on AVX512-VNNI and on AVX2, where the head is built by default for a large head (on
 # AVX2 alone it leaves a plain step's one row to llama.cpp's head, a little faster there: docs/measurements.md);
 # elsewhere the full head serves every row, which the generation tests below still check
-VNNI = GREEDY_VNNI
+VNNI = _native.greedy_head_fast()  # the int8 pass on AVX512-VNNI, which takes a plain step's row too
 needs_kernel = pytest.mark.skipif(not VNNI and "avx2" not in cpu_flags(),
                                   reason="the greedy head needs AVX512-VNNI or AVX2, which this CPU lacks")
 
