@@ -141,3 +141,33 @@ def test_a_llama_cpp_it_was_not_written_for_is_refused_untouched(sdist, name, ol
     assert "is not the llama.cpp this patch was written for" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert contents(sdist) == before  # nothing half-way: no file copied, no file edited
+
+
+# x86 CPUs people build on, by what the kernels' #if branches see (the build is -march=native, so each CPU compiles
+# its own branch): none of the extensions, AVX2 desktops (Zen 2/3, Intel client cores), AVX512 servers without VNNI,
+# and AVX512-VNNI ones (Ice Lake servers; Zen 4 and later likewise). With AVX512, vec.h's helpers are 16-lane only.
+MARCHES = ["x86-64", "haswell", "skylake-avx512", "icelake-server"]
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_the_kernels_compile_for_every_x86_instruction_set(tmp_path, llama_cpp_sdist, march):
+    """batch_dot.c and flash_attn.c compiled inside the sdist's ggml-cpu, as its build compiles them, for each
+    -march: a branch written on one CPU must build on the others (flash_attn.c once called vec.h's 8-lane expf,
+    which AVX512 builds do not have)."""
+    if subprocess.run(["gcc", "-march=" + march, "-E", "-x", "c", "/dev/null"], capture_output=True).returncode:
+        pytest.skip(f"this gcc does not know -march={march}")
+    ggml = "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml"
+    with tarfile.open(llama_cpp_sdist) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(ggml + "/")
+                   and m.name.endswith(".h")]
+        tar.extractall(tmp_path, members=members, filter="data")
+    root = tmp_path / ggml
+    for name in ("batch_dot.c", "batch_dot.h", "flash_attn.c", "flash_attn.h"):
+        shutil.copyfile(ROOT / "native" / "ggml" / name, root / "src" / "ggml-cpu" / name)
+    for name in ("batch_dot.c", "flash_attn.c"):
+        r = subprocess.run(["gcc", "-march=" + march, "-std=gnu11", "-O1", "-fopenmp", "-D_GNU_SOURCE",
+                            "-DGGML_USE_LLAMAFILE", "-Werror=implicit-function-declaration",
+                            "-Werror=incompatible-pointer-types", "-I", root / "include", "-I", root / "src",
+                            "-I", root / "src" / "ggml-cpu", "-c", root / "src" / "ggml-cpu" / name,
+                            "-o", tmp_path / (name + ".o")], capture_output=True, text=True)
+        assert r.returncode == 0, f"{name}, -march={march}:\n{r.stderr[-3000:]}"

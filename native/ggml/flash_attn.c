@@ -34,6 +34,16 @@ bool dflash_flash_attn_batch_invariant(void) {
 #define FA_IN_PLACE 4  // at most this many pairs read an f16 cache in place rather than converted
 #define FA_SEGMENT 512  // cells per segment: a row's partial sums, merged in order (whole blocks)
 
+// vec.h's ggml_v_expf takes the widest vector the build has: 16 lanes where AVX512F and AVX512DQ are on. Each lane is
+// computed on its own, so 8 cells in the low half of a 512-bit vector get the same bits wherever they sit in a row.
+static inline __m256 exp8(__m256 x) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    return _mm512_castps512_ps256(ggml_v_expf(_mm512_zextps256_ps512(x)));
+#else
+    return ggml_v_expf(x);
+#endif
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -301,7 +311,7 @@ static bool probabilities(const struct attn * a, const struct pair * pr, int64_t
     for (int c = 0; c < nc; c += 8) {  // (e may be s itself: each group is read before it is written)
         const int n = nc - c < 8 ? nc - c : 8;
         const __m256 x = load_cells(s + c, n);
-        const __m256 ex = ggml_v_expf(_mm256_sub_ps(x, _mm256_set1_ps(new_max)));
+        const __m256 ex = exp8(_mm256_sub_ps(x, _mm256_set1_ps(new_max)));
         store_cells(e + c, n, _mm256_blendv_ps(ex, _mm256_setzero_ps(), _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ)));
     }
     *run_max = new_max;
