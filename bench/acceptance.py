@@ -19,19 +19,19 @@ from tqdm import tqdm
 
 from dflash_local import Engine
 from dflash_local.bench import load_prompts, row_request
-from dflash_local.models import default_target
+from dflash_local import models
 from dflash_local.engine.stats import pooled
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafters", nargs="+")
-    ap.add_argument("-m", "--target", default=None, help="target GGUF (default: the gemma-3-270m default model)")
+    ap.add_argument("-m", "--target", default=None, help="target GGUF or a built-in pair's name (default: the default pair)")
     ap.add_argument("--prompts", default=str(Path(__file__).parent / "prompts.jsonl"))
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     args = ap.parse_args()
     rows = load_prompts(args.prompts)
-    target = args.target or str(default_target())
+    target = str(models.pair(args.target)[0])
     for drafter in args.drafters:
         engine = Engine(target, drafter, n_ctx=2048, draft_policy="fixed")
         runs = [engine.complete(**row_request(row), max_tokens=args.max_tokens).summary

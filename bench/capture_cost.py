@@ -23,7 +23,7 @@ import time
 
 from dflash_local import Engine, _native
 from dflash_local.bench import load_prompts
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 
 def cpu_ms(f):
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds of plain steps, capture off and on")
     ap.add_argument("--steps", type=int, default=64, help="plain steps per round")
     args = ap.parse_args()
-    engine = Engine(args.model or default_target(), args.draft or default_drafter(), n_threads=1)
+    engine = Engine(*models.pair(args.model, args.draft), n_threads=1)
     prompts = load_prompts(args.prompts)
     plain_steps(engine, prompts[0].get("prompt", "Hello"), args.rounds, args.steps)
     end_to_end(engine, prompts, args.max_tokens)

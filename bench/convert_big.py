@@ -34,9 +34,9 @@ LAYER_IDS = [1, 9, 17, 25, 33]  # z-lab's defaults for a 36-layer target and 5 d
 def write_target(path: Path, tokenizer: str) -> tuple[int, int]:
     """A qwen3 target with hidden 2560 and 36 one-head layers; returns (n_vocab, mask token id)."""
     if tokenizer == "gemma":
-        from dflash_local.models import default_target
+        from dflash_local import models
 
-        tok = tokenizer_kv(default_target())  # picks gemma's <mask> as the mask token
+        tok = tokenizer_kv(models.target("gemma"))  # picks gemma's <mask> as the mask token
     else:
         from fixtures import write_tiny_target
 

@@ -29,9 +29,9 @@ def main() -> None:
     from dflash_local import Engine, _native
     from dflash_local.bench import load_prompts, own_continuation
     from dflash_local.engine.placement import Placement
-    from dflash_local.models import default_target
+    from dflash_local import models
 
-    e = Engine(args.model or default_target(), n_ctx=2048, placement=Placement(n_threads=args.threads))
+    e = Engine(models.pair(args.model)[0], n_ctx=2048, placement=Placement(n_threads=args.threads))
     s, greedy = e.session, _native.Sampling()
     prompts = [p["prompt"] for p in load_prompts(ROOT / "bench" / "prompts.jsonl")][: args.prompts]
     last = s.prefill(e.prompt_tokens(prompts[0]), greedy, 0)

@@ -19,7 +19,7 @@ import time
 
 from dflash_local import Engine, _native
 from dflash_local.bench import DEFAULT_PROMPTS, load_prompts, own_continuation, row_request
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 from dflash_local.engine.ngram import NgramSpec
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
-    target, drafter = a.model or default_target(), a.draft or default_drafter()
+    target, drafter = models.pair(a.model, a.draft)
     verify_costs(Engine(target, n_threads=a.threads), a.block, a.repeats)
     if a.prompts:
         end_to_end(target, drafter, load_prompts(a.prompts), a.n, a.threads)

@@ -48,10 +48,9 @@ def main() -> None:
     from dflash_local import Engine, _native
     from dflash_local.bench import load_prompts, row_request, verify_cost_curve
     from dflash_local.engine.placement import Placement
-    from dflash_local.models import default_drafter, default_target
+    from dflash_local import models
 
-    target = args.model or default_target()
-    drafter = args.draft or (default_drafter() if not args.model else None)
+    target, drafter = models.pair(args.model, args.draft)
     placement = Placement(n_threads=args.threads, repack=args.kernels == "repack",
                           flash_attn="on" if args.kernels == "fa" else "off")
     e = Engine(target, drafter, n_ctx=2048, draft_policy="fixed", placement=placement)

@@ -13,17 +13,19 @@ from collections import defaultdict
 from dflash_local import Engine
 from dflash_local.engine.stats import StepStats
 from dflash_local.engine.ngram import NgramSpec
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prompts", help="JSONL, one object per line with 'prompt'")
+    ap.add_argument("-m", "--model", help="target GGUF or a built-in pair's name (default: the default pair; the "
+                    "figures in docs/measurements.md: -m gemma)")
     ap.add_argument("-c", "--ctx-size", type=int, default=16384)
     ap.add_argument("-n", "--max-tokens", type=int, default=256)
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args()
-    e = Engine(default_target(), default_drafter(), n_ctx=a.ctx_size, n_threads=a.threads, ngram=NgramSpec())
+    e = Engine(*models.pair(a.model), n_ctx=a.ctx_size, n_threads=a.threads, ngram=NgramSpec())
     modes = [("plain", dict(draft=False)), ("default", {}),
              ("n-gram alone", dict(external_drafter=lambda tokens, n: [])), ("DFlash alone", dict(ngram=False))]
     for line in open(a.prompts):

@@ -82,9 +82,9 @@ def main() -> None:
     else:
         from dflash_local.bench import load_prompts, row_request
         from dflash_local.engine.engine import Engine
-        from dflash_local.models import default_target
+        from dflash_local import models
 
-        e = Engine(str(default_target()), None)
+        e = Engine(str(models.default_target()), None)
         runs, decode_ms, n_tokens = [], 0.0, 0
         for row in load_prompts(args.prompts):
             kw = row_request(row)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dflash_local import Engine
 from dflash_local.engine.ngram import NgramSpec
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,11 +23,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="12,8", help="the n to compare, comma-separated")
     ap.add_argument("-n", "--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-m", "--model", help="target GGUF or a built-in pair's name (default: the default pair; the "
+                    "figures in docs/measurements.md: -m gemma)")
     ap.add_argument("-c", "--ctx-size", type=int, default=8192)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--temp", type=float, default=0.0, help="sampled with llama.cpp's default chain, seed 1")
     a = ap.parse_args()
-    e = Engine(default_target(), default_drafter(), n_ctx=a.ctx_size, n_threads=a.threads, ngram=NgramSpec())
+    e = Engine(*models.pair(a.model), n_ctx=a.ctx_size, n_threads=a.threads, ngram=NgramSpec())
     sampling = dict(temperature=a.temp, top_k=40, top_p=0.95, min_p=0.05, seed=1) if a.temp > 0 else {}
     prompts = [json.loads(line)["prompt"] for line in open(a.prompts)]
     plain = {p: e.complete(p, max_tokens=a.max_tokens, draft=False, **sampling).token_ids for p in prompts}

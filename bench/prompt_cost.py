@@ -12,6 +12,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")  # as dflash-local's sessions set it (native/bindings.cpp)
 import llama_cpp as L  # noqa: E402
@@ -30,10 +31,10 @@ def main() -> None:
     ap.add_argument("-ctv", "--cache-type-v", default="f16", choices=("f16", "q8_0"))
     a = ap.parse_args()
     depths = [int(d) for d in a.depths.split(",")]
-    if a.model is None:
-        from dflash_local.models import default_target  # only here: the script runs with llama-cpp-python alone
+    if a.model is None or not Path(a.model).exists():  # a built-in pair's name (or none: the default)
+        from dflash_local import models  # only here: the script runs with llama-cpp-python alone
 
-        a.model = str(default_target())
+        a.model = str(models.pair(a.model)[0])
     model = a.model
 
     L.llama_backend_init()

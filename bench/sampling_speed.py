@@ -21,7 +21,7 @@ import numpy as np
 from dflash_local import _native
 from dflash_local.bench import DEFAULT_PROMPTS
 from dflash_local.engine.engine import Engine
-from dflash_local.models import default_target
+from dflash_local import models
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the greedy head (argmax and top-k rows): where it pays (default), wherever it can, never")
     args = ap.parse_args(argv)
 
-    engine = Engine(args.model or default_target(), None, n_ctx=1024, n_threads=args.threads)
+    engine = Engine(models.pair(args.model)[0], None, n_ctx=1024, n_threads=args.threads)
     prompts = [p["prompt"] for p in DEFAULT_PROMPTS[: args.prompts]]
     engine.complete(prompts[0], max_tokens=8, draft=False)  # warm-up
     engine.session.set_greedy_head({"auto": None, "on": True, "off": False}[args.greedy_head])

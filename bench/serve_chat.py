@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += [run(ours + ["-d", args.draft], args.requests, args.max_tokens, f"dflash -np {k}", k),
                  run(ours + ["--no-draft"], args.requests, args.max_tokens, f"no drafter -np {k}", k)]
         if args.llama_server:
-            from dflash_local.models import default_target
+            from dflash_local import models
 
             # our serve's defaults: context 4096 (for each slot), all cores
-            upstream = [args.llama_server, "-m", args.model or str(default_target()), "--host", "127.0.0.1", "-np",
+            upstream = [args.llama_server, "-m", str(models.pair(args.model)[0]), "--host", "127.0.0.1", "-np",
                         str(k), "-c", str(4096 * k), "-t", str(os.cpu_count())]
             rows.append(run(upstream, args.requests, args.max_tokens, f"llama-server -np {k}", k))
     print("| server | clients | requests | tokens | seconds | requests/min | tokens/s | first token: mean, worst (s) "

@@ -32,7 +32,7 @@ from serve_soak import Server  # noqa: E402
 
 from dflash_local.llama_server import Server as UpstreamServer  # noqa: E402
 from dflash_local.llama_server import free_port  # noqa: E402
-from dflash_local.models import default_drafter, default_target  # noqa: E402
+from dflash_local import models  # noqa: E402
 
 def counting(i: int) -> str:
     """A prompt a model continues for thousands of tokens (a stream must outlast the long prompt)."""
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", type=Path, help="also measure this upstream llama-server (plain, its defaults)")
     ap.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "serve_long_prompt.log"))
     args = ap.parse_args(argv)
-    model = args.model or str(default_target())
-    drafter = args.drafter or str(default_drafter())
+    model, drafter = map(str, models.pair(args.model, args.drafter))
     runs = {}
     server = Server(["-m", model, "-d", drafter, "-np", str(args.parallel), "-c", str(args.ctx * args.parallel),
                      "-t", str(args.threads)], Path(args.log))

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from dflash_local.llama_server import free_port
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 SHORT = ["A recipe for bread:", "The water cycle explained:", "def fizzbuzz(n):\n", "The history of the bicycle",
          "Ten facts about the moon:\n1.", "class Queue:\n    def __init__(self):\n", "Dear hiring manager,",
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int)
     args = ap.parse_args(argv)
 
-    model, draft = args.model or str(default_target()), args.draft or str(default_drafter())
+    model, draft = map(str, models.pair(args.model, args.draft))
     rng = random.Random(args.seed)
     long_text = long_prompt(args.long)
     reqs = [request(rng, i, long_text, args.cancel) for i in range(args.requests)]

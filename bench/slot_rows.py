@@ -16,7 +16,7 @@ import statistics
 import time
 
 from dflash_local import Engine, _native
-from dflash_local.models import default_target
+from dflash_local import models
 
 PROMPTS = ["def total(values):\n", "The quick brown fox", "Once upon a time", "Hello world, this is",
            "import numpy as np\n", "The history of the printing press", "Dear Sir or Madam,", "SELECT name FROM"]
@@ -32,7 +32,7 @@ def main() -> None:
     slots = [int(x) for x in args.slots.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     n_slots = max(slots)
-    e = Engine(args.model or default_target(), n_ctx=1024 * n_slots, n_slots=n_slots, draft_policy="fixed")
+    e = Engine(models.pair(args.model)[0], n_ctx=1024 * n_slots, n_slots=n_slots, draft_policy="fixed")
     s = e.session
     # each slot's plain continuation: drafts that are all accepted
     want = [e.complete(p, max_tokens=max(blocks) + 1, draft=False).token_ids for p in PROMPTS[:n_slots]]

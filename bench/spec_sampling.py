@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_local.bench import load_prompts
 from dflash_local.engine.engine import Engine
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 MODES = ("match", "rejection")
 
@@ -34,8 +34,7 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--json")
     args = ap.parse_args()
-    model = args.model or default_target()
-    draft = args.draft or (default_drafter() if not args.model else None)
+    model, draft = models.pair(args.model, args.draft)
     if not draft:
         sys.exit("a drafter is needed (-d)")
     engine = Engine(model, draft, n_ctx=2048, n_threads=args.threads, draft_policy="fixed")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dflash_local.train.corpus import training_prompts
-from dflash_local.models import default_target
+from dflash_local import models
 from dflash_local.engine.placement import Placement
 from dflash_local.train.data import PASSAGE_TOKENS, load_sample, make_data
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train-throughput.json"))
     args = ap.parse_args()
 
-    target = default_target()
+    target = models.default_target()
     prompts = training_prompts()[: args.samples]
     work = Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
     placement = Placement(n_threads=args.threads)

@@ -17,7 +17,8 @@ from .engine.placement import add_placement_args, from_args
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="target GGUF (default: gemma-3-270m Q4_K_M from its PyPI package)")
+    p.add_argument("-m", "--model", help="target GGUF, or a built-in pair: smollm2 (SmolLM2-135M-Instruct, the "
+                   "default) or gemma (gemma-3-270m, a base model), each with its shipped drafter")
     p.add_argument("-d", "--draft", help="DFlash drafter GGUF for the target")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (the baseline), drafter not loaded")
     p.add_argument("--spec-type", type=_spec_types, default="ngram-simple,dflash", metavar="TYPES",
@@ -223,16 +224,15 @@ def _sampling_kwargs(args) -> dict:
 
 
 def _pair(args):
-    """The target and drafter to load: without -m, the default gemma target and the drafter shipped for it."""
-    from .models import default_drafter, default_target
+    """The target and drafter to load: a built-in pair's (the default without -m) or the files given."""
+    from . import models
 
     no_drafter = args.no_draft or "dflash" not in args.spec_type
     if args.draft and no_drafter:
         raise ValueError(f"-d {args.draft} with " + ("--no-draft" if args.no_draft else "--spec-type "
                          + ",".join(args.spec_type)) + ": the drafter would not be used")
-    if args.model:
-        return args.model, None if no_drafter else args.draft
-    return default_target(), None if no_drafter else args.draft or default_drafter()
+    model, draft = models.pair(args.model, args.draft)
+    return model, None if no_drafter else draft
 
 
 def _load_engine(args, drafter: bool = True):
@@ -372,11 +372,11 @@ def cmd_bench(args) -> int:
 def cmd_init_drafter(args) -> int:
     from dflash_local.convert.init_drafter import init_drafter
 
-    from .models import default_target
+    from .models import pair
 
     out = init_drafter(
         args.output,
-        args.target or default_target(),
+        pair(args.target)[0],
         n_layer=args.layers,
         n_target_layers=args.target_layers,
         block_size=args.block_size,
@@ -395,7 +395,7 @@ def _layer_list(text: str) -> list[int]:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     # here rather than in train.py, which needs torch: `train --help` works without it
-    p.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
+    p.add_argument("-m", "--target", help="target GGUF, or a built-in: smollm2 (the default) or gemma")
     p.add_argument("-o", "--out", required=True, help="folder for data, checkpoints and the exported drafter")
     p.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash", help="dflash2 adds DFlash2's "
                    "convolutions and candidate selector (default dflash)")
@@ -558,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=run_pull)
 
     d = sub.add_parser("init-drafter", help="write an untrained DFlash drafter GGUF for a target (for training)")
-    d.add_argument("-m", "--target", help="target GGUF (default: the gemma-3-270m default model)")
+    d.add_argument("-m", "--target", help="target GGUF, or a built-in: smollm2 (the default) or gemma")
     d.add_argument("-o", "--output", required=True, help="drafter GGUF to write")
     d.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
     d.add_argument("--target-layers", type=int, help="how many target layers feed it (default: --layers)")

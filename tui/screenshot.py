@@ -1,6 +1,6 @@
 """The README's picture: drive the real app on a pair and save its screen as PNG (needs the screenshot extra).
 
-python -m dflash_local.tui.screenshot docs/tui.png -d drafter.gguf [-m target.gguf] [--size 80x24] [-t threads]
+python -m dflash_local.tui.screenshot docs/tui.png [-m target.gguf -d drafter.gguf] [--size 80x24] [-t threads]
 
 (cairosvg: pip install "dflash-local[screenshot]"; and the DejaVu Sans Mono font, Debian's fonts-dejavu-core.)
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dflash_local.extras import MissingExtraError, needs_extra
 
-PROMPT = "Once upon a time"  # gemma-3-270m is a base model: a story opening suits it better than a question
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 
 # one run of text in the SVG that Textual (through Rich) writes
@@ -73,15 +73,15 @@ async def shoot(app, out: Path, size: tuple[int, int], prompt: str, max_tokens: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_local import models
     from dflash_local.engine.engine import Engine
-    from dflash_local.models import default_target
 
     from .app import ChatApp
 
     p = argparse.ArgumentParser(prog="python -m dflash_local.tui.screenshot")
     p.add_argument("output", type=Path, help="PNG to write (or SVG, by its suffix)")
-    p.add_argument("-m", "--model")
-    p.add_argument("-d", "--draft")
+    p.add_argument("-m", "--model", help="target GGUF or a built-in pair's name (default: the default pair)")
+    p.add_argument("-d", "--draft", help="drafter GGUF (default: a built-in pair's shipped drafter)")
     p.add_argument("-p", "--prompt", default=PROMPT)
     p.add_argument("-n", "--max-tokens", type=int, default=96)
     p.add_argument("-t", "--threads", type=int)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     cols, rows = (int(x) for x in args.size.split("x"))
-    engine = Engine(args.model or default_target(), args.draft, n_ctx=4096, n_threads=args.threads)
+    engine = Engine(*models.pair(args.model, args.draft), n_ctx=4096, n_threads=args.threads)
     app = ChatApp(engine)
     asyncio.run(shoot(app, args.output, (cols, rows), args.prompt, args.max_tokens))
     print(args.output)

@@ -542,12 +542,12 @@ class Trainer:
 
 
 def run_train(args) -> int:
-    from ..models import default_target
+    from ..models import pair
 
     placement = from_args(args)
     placement.check(drafting=True)
     cfg = TrainConfig(
-        target=str(args.target or default_target()), out=args.out, variant=args.variant, init=args.init,
+        target=str(pair(args.target)[0]), out=args.out, variant=args.variant, init=args.init,
         n_layer=args.layers,
         n_ff=args.ffn_size,
         target_layers=args.target_layers, block_size=args.block_size, draft_vocab=args.draft_vocab, corpus=args.corpus,
