@@ -197,15 +197,17 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, peer: bool =
             f"{r['dflash_tokens_per_second']:.1f} tok/s, tau {r['mean_acceptance_length']:.2f}"
             + (f", with n-gram drafts {r['ngram_tokens_per_second']:.1f} tok/s" if engine.ngram else "")
             + (f", rejection sampling {r['rejection_tokens_per_second']:.1f} tok/s, tau "
-               f"{r['rejection_mean_acceptance_length']:.2f}" if sampling else "")
+               f"{r['rejection_mean_acceptance_length']:.2f}" if "rejection_tokens_per_second" in r else "")
             + (f", prompt-lookup peer {r['prompt_lookup_error']}" if r.get("prompt_lookup_error") else "")
             + ("" if r["lossless"] else "  OUTPUT MISMATCH"))
     overall = summarize(engine, rows, max_tokens, peer)
     overall["sampling"] = sampling
-    if sampling:
+    if rows and "rejection_tokens_per_second" in rows[0]:
         overall["rejection_tokens_per_second"] = _pooled_speed(rows, "rejection_tokens_per_second")
         overall["rejection_mean_acceptance_length"] = statistics.mean(
             r["rejection_mean_acceptance_length"] for r in rows)
+    elif sampling:
+        overall["rejection_unsupported"] = engine.rejection_unsupported()
     if llama_server:
         overall["peers"] = peers.run_peers(llama_server, list(llama_server_args), engine, prompt_ids, plain_ids,
                                            max_tokens, overall["baseline_tokens_per_second"], out, log,
@@ -289,7 +291,7 @@ def bench_prompt(engine: Engine, row: dict, max_tokens: int, peer: bool,
         "lossless": all(len({tuple(d.token_ids) for d in turn}) == 1 for turn in zip(base, default, fixed, spec)),
         "_summary": f,
     }
-    if sampling:
+    if sampling and not engine.rejection_unsupported():  # a DFlash2 or DSpark drafter has no rejection row
         rej, _ = converse(engine, row, max_tokens, False, **kw, draft=True, ngram=False, spec_sampling="rejection")
         r["rejection_tokens_per_second"] = decode_speed(rej)
         r["rejection_mean_acceptance_length"] = pooled([d.summary for d in rej]).mean_acceptance_length
@@ -372,7 +374,8 @@ def markdown(result: dict) -> str:
             "tau (fixed) |"
             + (" DFlash + n-gram tok/s | speedup |" if ngram else "") + (" prompt lookup tok/s |" if peer else ""))
     sampling = o.get("sampling")
-    if sampling:
+    rejection = "rejection_tokens_per_second" in o
+    if rejection:
         head += " rejection sampling tok/s | tau (rejection) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
@@ -384,14 +387,14 @@ def markdown(result: dict) -> str:
                      + (f" {_speed(r['prompt_lookup_tokens_per_second'], r['prompt_lookup_error'])} |" if peer
                         else "")
                      + (f" {r['rejection_tokens_per_second']:.1f} | {r['rejection_mean_acceptance_length']:.2f} |"
-                        if sampling else ""))
+                        if rejection else ""))
     lines.append(f"| **overall** | | {o['first_token_s']:.2f} | {o['baseline_tokens_per_second']:.1f} | {o['dflash_tokens_per_second']:.1f} | "
                  f"{o['speedup']:.2f} | {o['dflash_fixed_tokens_per_second']:.1f} | {o['mean_acceptance_length']:.2f} |"
                  + (f" {o['ngram_tokens_per_second']:.1f} | {o['speedup_ngram']:.2f} |" if ngram else "")
                  + (f" {_speed(o['prompt_lookup_tokens_per_second'], 'failed on every prompt')} |" if peer
                     else "")
                  + (f" {o['rejection_tokens_per_second']:.1f} | {o['rejection_mean_acceptance_length']:.2f} |"
-                    if sampling else ""))
+                    if rejection else ""))
     curve = ", ".join(f"T({k})={v:.1f}" for k, v in o["verify_ms"].items())
     lines += ["", f"Verify cost (ms): {curve}. Draft cost {o['draft_ms_per_step']:.1f} ms per step. "
               f"Rollback {o['rollback_ms_per_rollback']:.3f} ms per rejected draft ({o['rollbacks']} rollbacks, "
@@ -410,7 +413,9 @@ def markdown(result: dict) -> str:
         lines[-1] += (f" Sampled: temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, top-p "
                       f"{sampling['top_p']:g}, min-p {sampling['min_p']:g}, prompt i with seed {sampling['seed']} + i; "
                       "the DFlash rows verify by matching the target's sample (lossless: the sampled baseline's "
-                      "tokens), the rejection-sampling row by speculative sampling (the same distribution).")
+                      "tokens)" + (", the rejection-sampling row by speculative sampling (the same distribution)."
+                                   if rejection else "; no rejection-sampling row: "
+                                   + str(o.get("rejection_unsupported")) + "."))
     if peer and o["prompt_lookup_errors"]:
         errors = [r["prompt_lookup_error"] for r in result["rows"] if r["prompt_lookup_error"]]
         lines[-1] += f" The prompt-lookup peer failed on {len(errors)} of {o['prompts']} prompts ({errors[0]})."

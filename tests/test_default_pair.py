@@ -63,3 +63,17 @@ def test_a_builtin_name_is_a_model_and_a_file_of_that_name_wins(tmp_path, tiny_t
     r = generate("-m", "gemma", "--no-draft", "-p", "The sky is")
     assert r.returncode == 0, r.stderr
     assert "loading gemma\n" in r.stderr and "gemma-3-270m" not in r.stderr
+
+
+def test_a_sampled_bench_on_the_default_pair_runs_without_a_rejection_row(tmp_path):
+    """Its DFlash2 drafter has no distribution for rejection sampling: the bench says so and gives the other rows."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in HELD_OUT["smollm2"][:2]) + "\n")
+    r = subprocess.run([sys.executable, "-m", "dflash_local", "bench", "--prompts", str(prompts), "-n", "12", "--temp",
+                        "0.8", "--no-peer", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert result["overall"]["lossless"] and "rejection_tokens_per_second" not in result["overall"]
+    assert "DFlash2 drafter" in result["overall"]["rejection_unsupported"]
+    assert "no rejection-sampling row" in (tmp_path / "out" / "bench.md").read_text()

@@ -604,18 +604,26 @@ class Engine:
             self.token_set(preserved_tokens), rejection, cache_prompt,
         )
 
-    def _check_rejection(self, drafter: Drafter, params: SamplingParams) -> None:
-        """Rejection sampling verifies drafts against the drafter's own distribution: only llama.cpp's plain DFlash
-        drafter has one, and a grammar would change the target's."""
-        if not drafter.samples:
-            raise ValueError("rejection sampling needs the llama.cpp drafter's distributions: use the default "
-                             "spec sampling (match) with this drafter")
+    def rejection_unsupported(self, drafter: Drafter | None = None) -> str | None:
+        """Why `drafter` (default: the engine's) cannot verify by rejection sampling, or None: it needs the drafter's
+        own distribution, which only llama.cpp's plain DFlash drafter has."""
+        drafter = drafter or self.drafter
+        if drafter is None or not drafter.samples:
+            return ("rejection sampling needs the llama.cpp drafter's distributions: use the default "
+                    "spec sampling (match) with this drafter")
         if self.draft_info is not None and self.draft_info.get("selector_top_k"):
-            raise ValueError("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
-                             "selector lattice; use the default spec sampling (match)")
+            return ("rejection sampling needs the drafter's distributions: a DFlash2 drafter drafts from its "
+                    "selector lattice; use the default spec sampling (match)")
         if self.draft_info is not None and "markov_w1.weight" in self.draft_info.tensors:
-            raise ValueError("rejection sampling needs the drafter's distributions: a DSpark drafter chains its "
-                             "Markov head on greedy drafts, not sampled ones; use the default spec sampling (match)")
+            return ("rejection sampling needs the drafter's distributions: a DSpark drafter chains its "
+                    "Markov head on greedy drafts, not sampled ones; use the default spec sampling (match)")
+        return None
+
+    def _check_rejection(self, drafter: Drafter, params: SamplingParams) -> None:
+        """Rejection sampling: a drafter with a distribution of its own, and no grammar (it would change the target's)."""
+        why = self.rejection_unsupported(drafter)
+        if why:
+            raise ValueError(why)
         if params.grammar:
             raise ValueError("rejection sampling does not combine with a grammar: use the default spec sampling "
                              "(match)")
