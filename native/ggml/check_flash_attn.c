@@ -144,6 +144,11 @@ int main(int argc, char ** argv) {
         attend(&c, n_kv, q, pos, n, out, &chunk);
         printf("flash attention, 4 heads of 256, 4096 cells, %d threads: a decode step %.1f us, a 512-row chunk "
                "%.1f ms\n", n_threads, step, chunk / 1000);
+        const struct shape smol = {64, 64, 9, 3, 0, 0.0f};  // SmolLM2-135M: 9 query heads on 3 K/V heads
+        struct cache cs = new_cache(smol, GGML_TYPE_F16, n_kv);
+        attend(&cs, n_kv, q, pos + n - 1, 1, out, &step);
+        printf("flash attention, 9 heads of 64 on 3 K/V heads, 4096 cells, %d threads: a decode step %.1f us\n",
+               n_threads, step);
         return 0;
     }
     const struct shape shapes[] = {
@@ -151,6 +156,7 @@ int main(int argc, char ** argv) {
         {256, 256, 4, 1, 300, 0.0f},  // its sliding-window layers
         {128, 128, 8, 2, 0, 0.0f},    // a Qwen3: 2 K/V heads
         {64, 64, 2, 2, 0, 30.0f},     // a soft cap (gemma-2), one query head a K/V head
+        {64, 64, 9, 3, 0, 0.0f},      // SmolLM2: 3 K/V heads, which 2 threads share by segments
     };
     const enum ggml_type types[] = {GGML_TYPE_F16, GGML_TYPE_Q8_0};
     const int counts[] = {2, 3, 8, 33, 64, 512};

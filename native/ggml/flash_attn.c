@@ -513,17 +513,23 @@ bool dflash_flash_attn(const struct ggml_compute_params * params, struct ggml_te
 
     // A row's cells go in segments of FA_SEGMENT at fixed indices, each from a fresh state, merged in order; the
     // threads share units of up to FA_PAIRS pairs of one K/V head. With few pairs (a decode step, a short verify
-    // block) and at least a segment a thread, units are whole K/V heads and the threads share their segments,
-    // keeping the states in the work buffer past the scratch. The same operations either way
+    // block), or units that would leave threads idle for a tenth of the time or more (SmolLM2's 3 K/V heads on 2
+    // threads: a quarter), and at least a segment a thread, units are whole K/V heads and the threads share their
+    // segments, keeping the states in the work buffer past the scratch. The same operations either way
     a.group = a.n_rows * a.rk2;  // pairs per K/V head: rows by the query heads that share it
     a.n_groups = n_seq * (a.n_head / a.rk2);
     const int64_t n_segs = (a.n_kv + FA_SEGMENT - 1) / FA_SEGMENT;
+    int64_t per_thread = (a.group * a.n_groups + nth - 1) / nth;
+    per_thread = per_thread < 1 ? 1 : per_thread > FA_PAIRS ? FA_PAIRS : per_thread;
+    const int64_t units = a.n_groups * ((a.group + per_thread - 1) / per_thread);
+    const int64_t rounds = (units + nth - 1) / nth;
+    const bool idle = 10 * (rounds * nth - units) > rounds * nth;
     a.per_unit = a.group < FA_PAIRS ? a.group : FA_PAIRS;
     a.units_per_group = (a.group + a.per_unit - 1) / a.per_unit;
     const size_t unit_state = (size_t) a.per_unit * (dv + 2);
     const size_t shared = (size_t) a.n_groups * a.units_per_group * n_segs * unit_state;
     const size_t split_need = scratch_floats + unit_state;  // the scratch and a total state
-    if (a.group * a.n_groups <= (int64_t) nth * FA_IN_PLACE && n_segs >= nth &&
+    if ((a.group * a.n_groups <= (int64_t) nth * FA_IN_PLACE || idle) && n_segs >= nth &&
         params->wsize >= (nth * split_need + shared) * sizeof(float)) {
         scratch = (float *) params->wdata + ith * split_need;
         float * states = (float *) params->wdata + nth * split_need;
@@ -552,8 +558,7 @@ bool dflash_flash_attn(const struct ggml_compute_params * params, struct ggml_te
         return true;
     }
 
-    a.per_unit = (a.group * a.n_groups + nth - 1) / nth;  // as evenly as the threads go
-    a.per_unit = a.per_unit < 1 ? 1 : a.per_unit > FA_PAIRS ? FA_PAIRS : a.per_unit;
+    a.per_unit = per_thread;  // as evenly as the threads go
     a.units_per_group = (a.group + a.per_unit - 1) / a.per_unit;
     float * sbuf = scratch + scratch_floats;
     struct state part = {sbuf, sbuf + FA_PAIRS, sbuf + 2 * FA_PAIRS};
