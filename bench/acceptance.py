@@ -5,7 +5,7 @@ Each drafter drafts a full block at every step (the bench's "fixed blocks" row),
 draft's wall-clock milliseconds per step come with it. One process and the same prompts for every drafter, so
 drafters compare fairly. docs/measurements.md, "Drafter training experiments".
 
-    python bench/acceptance.py DRAFTER.gguf [DRAFTER.gguf ...] [-m TARGET] [--prompts bench/prompts.jsonl] [-n 64]
+    python bench/acceptance.py DRAFTER.gguf [DRAFTER.gguf ...] [-m TARGET] [--prompts bench/prompts.jsonl] [-n 64] [-c 2048]
 
 A prompt set whose rows carry a "kind" (bench/chat-heldout.jsonl: chat, code, reasoning) gets tau per kind too.
 """
@@ -29,11 +29,12 @@ def main() -> None:
     ap.add_argument("-m", "--target", default=None, help="target GGUF or a built-in pair's name (default: the default pair)")
     ap.add_argument("--prompts", default=str(Path(__file__).parent / "prompts.jsonl"))
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
+    ap.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (long prompts need more)")
     args = ap.parse_args()
     rows = load_prompts(args.prompts)
     target = str(models.pair(args.target)[0])
     for drafter in args.drafters:
-        engine = Engine(target, drafter, n_ctx=2048, draft_policy="fixed")
+        engine = Engine(target, drafter, n_ctx=args.ctx_size, draft_policy="fixed")
         runs = [engine.complete(**row_request(row), max_tokens=args.max_tokens).summary
                 for row in tqdm(rows, desc=drafter.split("/")[-1], leave=False)]
         s = pooled(runs)
