@@ -427,6 +427,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    "steps are set from the first 20 steps' rate, at most --steps (default 0: --steps)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence (default 16)")
+    p.add_argument("--window", type=int, default=512, help="the drafter attends to the context's last N positions, "
+                   "in training and in its GGUF (a sliding window: at long context a drafter trained on short "
+                   "sequences drafts better so; default 512, 0: the whole context)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--soft-labels", type=float, default=0.0, metavar="W", help="share of the loss taken against the "
                    "target's distribution (its top 8 tokens) instead of its greedy token (default 0)")

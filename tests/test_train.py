@@ -140,6 +140,9 @@ def test_export_is_a_zlab_checkpoint_and_a_reduced_vocab_gguf(run, tiny_target):
     info = read_gguf(out / "drafter-f16.gguf")
     assert tuple(info.tensors["d2t"].shape) == (300,) and "output.weight" in info.tensors
     assert [int(v) for v in info.get("target_layers").values] == [1, 3]
+    # the default window: the drafter sees the context's last 512 positions, every layer
+    assert cfg["use_sliding_window"] and cfg["sliding_window"] == 512
+    assert info.get("attention.sliding_window") == 512 and list(info.get("attention.sliding_window_pattern").values) == [True]
 
 
 def check_drafts_agree(out, target, n_samples=4, backends=("zlab", "gguf")):
@@ -247,6 +250,61 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
         hard = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
         expect = ((0.75 * hard + 0.25 * soft_ce) * ok).sum()
     assert float(soft.loss) == pytest.approx(float(expect), rel=1e-4)
+
+
+def test_a_window_limits_the_context_in_training_as_in_drafting(run):
+    """With a window of w positions, a batch of blocks gives each block the hidden states it gets alone when the
+    drafter drafts with that window (keys at least w before a query unseen), and a window shorter than the context
+    changes them."""
+    import dataclasses
+
+    out, _ = run
+    tr, model, emb, row_of, label_of, scale, samples, _ = load_run(out)
+    s = samples[1]
+    B = model.shape.block_size
+    anchors = [s.n_prompt, s.n_prompt + 9]
+
+    class Pick:
+        def choice(self, cand, size, replace):
+            return np.array(anchors)
+
+    def losses():
+        with torch.no_grad():
+            alone = []
+            for a in anchors:
+                ctx = model.context_kv(torch.from_numpy(s.features_f32(a)) / scale, torch.arange(a))
+                noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
+                alone.append(model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:] @ tr.head(model).T)
+            b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 2, Pick(), torch.ones(B - 1))
+            return float(b.loss), torch.cat(alone)
+
+    assert model.shape.sliding_window == 512 > len(s.tokens)  # the run's: longer than its samples
+    full_loss, full = losses()
+    model.shape = dataclasses.replace(model.shape, sliding_window=5)
+    loss, logits = losses()
+    assert not torch.allclose(logits, full)
+    labels = []
+    for a in anchors:
+        own = True
+        for k in range(1, B):
+            labels.append(int(label_of[int(s.top_ids[a + k - 1, 0])]) if own else -1)
+            own = own and int(s.tokens[a + k]) == int(s.top_ids[a + k - 1, 0])
+    labels = torch.tensor(labels)
+    ok = labels >= 0
+    assert ok.any()
+    ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum")
+    assert loss == pytest.approx(float(ce), rel=1e-4) and loss != pytest.approx(full_loss, rel=1e-4)
+
+
+def test_a_short_window_drafts_the_same_in_training_torch_and_llama_cpp(tmp_path, tiny_target, corpus):
+    """--window 3: the exported GGUF's sliding window is llama.cpp's mask too (its dflash graph), so the three agree
+    where the window hides most of the context."""
+    out = tmp_path / "run"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus), "--steps", "6", "--window", "3"]
+    assert main(args + ARGS) == 0
+    assert read_gguf(out / "drafter-f16.gguf").get("attention.sliding_window") == 3
+    check_drafts_agree(out, tiny_target, n_samples=3)
+    assert main(["train", "-m", str(tiny_target), "-o", str(tmp_path / "bad"), "--window", "-1"] + ARGS) == 2
 
 
 def test_a_best_step_validated_on_other_prompts_is_set_aside(tmp_path, tiny_target, corpus, capsys):

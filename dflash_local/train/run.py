@@ -78,6 +78,7 @@ class TrainConfig:
     seconds: float = 0.0  # > 0: train about this long (the steps set from the first 20 steps' rate, within --steps)
     batch: int = 4  # sequences per step
     anchors: int = 16  # blocks per sequence
+    window: int = 512  # the drafter sees the context's last `window` positions (0: all), trained so and in its GGUF
     lr: float = 1e-3
     soft: float = 0.0  # share of the loss taken against the target's distribution rather than its token
     warmup: int = 100
@@ -158,8 +159,13 @@ def sequence_loss(model: DFlashDrafter, head: torch.Tensor, emb: torch.Tensor, r
     noise = torch.full((nb, B), model.shape.mask_token, device=dev)
     noise[:, 0] = tokens[a]
     block = torch.arange(nb, device=dev).repeat_interleave(B)
-    see_ctx = (torch.arange(T, device=dev)[None, :] < a[:, None]).repeat_interleave(B, 0)  # context before the anchor
+    key_pos = torch.arange(T, device=dev)
+    see_ctx = (key_pos[None, :] < a[:, None]).repeat_interleave(B, 0)  # context before the anchor
     see_block = block[:, None] == block[None, :]
+    if model.shape.sliding_window:  # keys within the window, as drafting sees them (torch_drafter, llama.cpp's graph)
+        q = pos.flatten()[:, None]
+        see_ctx &= (q - key_pos[None, :]) < model.shape.sliding_window
+        see_block &= (q - pos.flatten()[None, :]) < model.shape.sliding_window
     h = model(emb[row_of[noise.flatten()]], pos.flatten(), ctx, torch.cat([see_ctx, see_block], 1), block=B)
     h = h.view(nb, B, -1)[:, 1:]
 
@@ -254,6 +260,8 @@ class Trainer:
             raise ValueError("--block-size must be at least 2 (the anchor and one drafted token)")
         if not 0 <= cfg.soft <= 1:
             raise ValueError(f"--soft-labels must be between 0 and 1, got {cfg.soft}")
+        if cfg.window < 0:
+            raise ValueError(f"--window must be 0 (the whole context) or more, got {cfg.window}")
         if cfg.samples < 1:
             raise ValueError(f"--samples must be 1 or more, got {cfg.samples}")
         if cfg.text_samples < 0:
@@ -347,6 +355,7 @@ class Trainer:
             model.d2t = torch.from_numpy(ids)
         if cfg.variant == "dflash2" and model.selector is None:
             model = add_dflash2(model, t.n_vocab, np.random.default_rng(cfg.seed))
+        model.shape = dataclasses.replace(model.shape, sliding_window=cfg.window or None, swa_layers=None)
         # embeddings of every token the blocks can hold (anchors and the mask), scaled as the drafter's graph does
         used = np.unique(np.concatenate([s.tokens for s in samples] + [[model.shape.mask_token]]))
         emb = torch.from_numpy(target_rows(t, used, "token_embd.weight")) * model.shape.embedding_scale
@@ -404,6 +413,8 @@ class Trainer:
             "dflash_config": dflash_config,
             "torch_dtype": "float32",
         }
+        if sh.sliding_window:  # every layer's
+            config |= {"use_sliding_window": True, "sliding_window": sh.sliding_window}
         folder = folder or gguf_path.with_suffix("")
         write_checkpoint(folder, config, tensors)
         convert_drafter(folder, cfg.target, gguf_path, outtype)
@@ -554,7 +565,7 @@ def run_train(args) -> int:
         chat=args.chat, temperature=args.data_temp, samples=args.samples, max_new=args.max_new,
         text_samples=args.text_samples, parallel=args.parallel,
         steps=args.steps, seconds=args.train_seconds, batch=args.batch,
-        anchors=args.anchors,
+        anchors=args.anchors, window=args.window,
         lr=args.lr, soft=args.soft_labels, device=args.device, seed=args.seed, placement=asdict(placement),
         save_every=args.save_every,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
