@@ -201,6 +201,40 @@ def test_train_on_gemma(gemma_target, tmp_path):
     check_drafts_agree(out, gemma_target, n_samples=2, backends=("zlab",))
 
 
+class Pick:
+    """rng stand-in for sequence_loss: choose these anchors."""
+
+    def __init__(self, anchors):
+        self.anchors = anchors
+
+    def choice(self, cand, size, replace):
+        return np.array(self.anchors)
+
+
+def logits_alone(tr, model, emb, row_of, scale, s, anchors):
+    """Each anchor's block drafted alone over its context, as the drafter drafts (no training mask)."""
+    B = model.shape.block_size
+    alone = []
+    with torch.no_grad():
+        for a in anchors:
+            ctx = model.context_kv(torch.from_numpy(s.features_f32(a)) / scale, torch.arange(a))
+            noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
+            alone.append(model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:] @ tr.head(model).T)
+    return torch.cat(alone)
+
+
+def greedy_labels(s, anchors, B, label_of):
+    """The target's greedy continuation of each anchor: its next token after each position, for as long as the
+    tokens in between are its own (in the continuation always; in the prompt only where it agrees); -1 past that."""
+    labels = []
+    for a in anchors:
+        own = True
+        for k in range(1, B):
+            labels.append(int(label_of[int(s.top_ids[a + k - 1, 0])]) if own else -1)
+            own = own and int(s.tokens[a + k]) == int(s.top_ids[a + k - 1, 0])
+    return torch.tensor(labels)
+
+
 def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(run):
     """The block mask: a batch of blocks gives each block the hidden states it gets alone (its context before the
     anchor, bidirectional inside the block, nothing from the other blocks)."""
@@ -209,30 +243,12 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     s = samples[1]
     B = model.shape.block_size
     anchors = [1, s.n_prompt, s.n_prompt + 4, s.n_prompt + 11]  # the first in the prompt
-    alone = []
+    logits = logits_alone(tr, model, emb, row_of, scale, s, anchors)
     with torch.no_grad():
-        for a in anchors:
-            ctx = model.context_kv(torch.from_numpy(s.features_f32(a)) / scale, torch.arange(a))
-            noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
-            alone.append(model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:] @ tr.head(model).T)
-
-        class Pick:  # rng stand-in: choose these anchors
-            def choice(self, cand, size, replace):
-                return np.array(anchors)
-
         weights = torch.ones(B - 1)
-        b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(), weights)
-        # the target's greedy continuation of each anchor: its next token after each position, for as long as the
-        # tokens in between are its own (in the continuation always; in the prompt only where it agrees)
-        labels = []
-        for a in anchors:
-            own = True
-            for k in range(1, B):
-                labels.append(int(label_of[int(s.top_ids[a + k - 1, 0])]) if own else -1)
-                own = own and int(s.tokens[a + k]) == int(s.top_ids[a + k - 1, 0])
-        labels = torch.tensor(labels)
+        b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(anchors), weights)
+        labels = greedy_labels(s, anchors, B, label_of)
         assert (labels[: B - 1] < 0).any() and (labels[B - 1 :] >= 0).sum() > 0  # this prompt strays from the target
-        logits = torch.cat(alone)
         ok = labels >= 0
         ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum")
     assert float(b.loss) == pytest.approx(float(ce), rel=1e-4)
@@ -241,7 +257,7 @@ def test_blocks_trained_together_see_only_their_own_block_and_earlier_context(ru
     # soft labels: the target's top tokens after the position before each label, renormalised over the draft
     # vocabulary, mixed in at the given share
     with torch.no_grad():
-        soft = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(), weights, 0.25)
+        soft = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 4, Pick(anchors), weights, 0.25)
         rows = [a + k - 1 for a in anchors for k in range(1, B)]
         d = label_of[torch.from_numpy(s.top_ids[rows]).long()]
         p = torch.softmax(torch.from_numpy(s.top_logprobs[rows].astype(np.float32)).masked_fill(d < 0, -torch.inf), -1)
@@ -264,32 +280,18 @@ def test_a_window_limits_the_context_in_training_as_in_drafting(run):
     B = model.shape.block_size
     anchors = [s.n_prompt, s.n_prompt + 9]
 
-    class Pick:
-        def choice(self, cand, size, replace):
-            return np.array(anchors)
-
     def losses():
         with torch.no_grad():
-            alone = []
-            for a in anchors:
-                ctx = model.context_kv(torch.from_numpy(s.features_f32(a)) / scale, torch.arange(a))
-                noise = torch.tensor([int(s.tokens[a])] + [model.shape.mask_token] * (B - 1))
-                alone.append(model(emb[row_of[noise]], torch.arange(a, a + B), ctx)[1:] @ tr.head(model).T)
-            b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 2, Pick(), torch.ones(B - 1))
-            return float(b.loss), torch.cat(alone)
+            b = sequence_loss(model, tr.head(model), emb, row_of, label_of, s, scale, 2, Pick(anchors),
+                              torch.ones(B - 1))
+        return float(b.loss), logits_alone(tr, model, emb, row_of, scale, s, anchors)
 
     assert model.shape.sliding_window == 512 > len(s.tokens)  # the run's: longer than its samples
     full_loss, full = losses()
     model.shape = dataclasses.replace(model.shape, sliding_window=5)
     loss, logits = losses()
     assert not torch.allclose(logits, full)
-    labels = []
-    for a in anchors:
-        own = True
-        for k in range(1, B):
-            labels.append(int(label_of[int(s.top_ids[a + k - 1, 0])]) if own else -1)
-            own = own and int(s.tokens[a + k]) == int(s.top_ids[a + k - 1, 0])
-    labels = torch.tensor(labels)
+    labels = greedy_labels(s, anchors, B, label_of)
     ok = labels >= 0
     assert ok.any()
     ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum")
