@@ -21,17 +21,18 @@ from lossless import assert_scripted_lossless
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(llama_cpp.__file__).parent.parent
-TYPES = ["q8_0", "q5_0", "q4_1", "q4_K", "q6_K"]
+TYPES = ["q8_0", "q5_0", "q4_K", "q6_K"]
+GEMM = ["q5_0", "q4_0", "q4_1", "q4_K"]  # dflash_batch_gemm's, on every CPU with AVX2
 
 
 # batch_dot.c's kernels (the build is -march=native): every type where vec_dot takes AVX2 with AVX512-VNNI lane sums,
-# q4_1, q4_K and q6_K on other AVX2 CPUs, none elsewhere
+# q4_K and q6_K on other AVX2 CPUs, none elsewhere
 AVX2 = {"avx2", "f16c", "fma"}
 VNNI = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 if VNNI <= cpu_flags() and "avx_vnni_int8" not in cpu_flags():
     KERNELS = TYPES
 else:
-    KERNELS = ["q4_1", "q4_K", "q6_K"] if AVX2 <= cpu_flags() else []
+    KERNELS = ["q4_K", "q6_K"] if AVX2 <= cpu_flags() else []
 
 
 def build_check(tmp_path_factory, source: str) -> Path:
@@ -60,8 +61,8 @@ def test_every_element_of_every_tile_is_vec_dots(check):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().splitlines()[-1] == "all identical"
     missing = {line.split(":")[0] for line in r.stdout.splitlines() if line.endswith("no kernel")}
-    gemm = [] if not AVX2 <= cpu_flags() else ["q5_0", "q4_0", "q4_K"]
-    no_gemm = {f"gemm {t}" for t in {"q5_0", "q4_0", "q4_K"} - set(gemm)}
+    gemm = GEMM if AVX2 <= cpu_flags() else []
+    no_gemm = {f"gemm {t}" for t in set(GEMM) - set(gemm)}
     q8_K = set() if AVX2 <= cpu_flags() else {"q8_K"}  # the activations' quantizer (its bytes checked too)
     assert missing == (set(TYPES) - set(KERNELS)) | no_gemm | q8_K, (
         f"this CPU's kernels are {KERNELS} and gemm {gemm}: {r.stdout}")
@@ -77,7 +78,7 @@ def test_the_benchmark_mode_runs_and_agrees(check):
     assert [line.split()[0] for line in rows] == KERNELS
     assert all(" 0 of 65536 differ" in line for line in rows), r.stdout
     gemm = [line for line in r.stdout.splitlines() if line.startswith("gemm ")]
-    assert [line.split()[1] for line in gemm] == ["q5_0", "q4_0", "q4_K"], r.stdout
+    assert [line.split()[1] for line in gemm] == GEMM, r.stdout
     assert all("rows 512, 1 threads: 0 of 1048576 differ" in line for line in gemm), r.stdout
 
 
@@ -141,7 +142,7 @@ def test_the_flash_attention_benchmark_mode_runs(check_flash_attn):
 def test_a_q4_1_target_verifies_with_a_one_token_decodes_bits(models_dir):
     """SmolLM2-135M-Instruct's layer type end to end (its Q4_1 file: q4_1 layers, a q8_0 head): a tiny llama whose
     layers are q4_1, random weights (flat logits, near ties everywhere). The first row of a step verifying 1..15
-    drafts has a plain step's logits bit for bit (the q4_1 tiles where this CPU has them: KERNELS), and scripted
+    drafts has a plain step's logits bit for bit (the q4_1 GEMM from 4 rows where this CPU has AVX2), and scripted
     drafts of every acceptance length give plain decoding's tokens."""
     q4_1, q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
     path = write_tiny_target(models_dir / "tiny-q4_1.gguf", arch="llama", layer_type=q4_1, head_type=q8_0)

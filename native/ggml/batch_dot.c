@@ -9,13 +9,13 @@
 // are vec_dot's: a batch of any size gives every row what a one-row decode gives it, and speculative decoding stays
 // token-identical to plain decoding.
 //
-// Where vec_dot takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's), every type here is computed
-// in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most desktops: AMD Zen 2 and 3, Intel's
-// client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a 256-bit activation row at a time, the
-// weight's super-block unpacked once for all of them, and q4_1 so on every CPU with AVX2 (q8_0 and q5_0 go to
-// llamafile's sgemm there, README.md). dflash_batch_gemm takes whole products of q5_0, q4_0 and q4_K weights and 4 rows
-// or more (prompt chunks, verify blocks) on every CPU with AVX2, and dflash_quantize_row_q8_K gives the reference's
-// q8_K bytes with AVX2.
+// Where vec_dot takes the AVX2 path with AVX512-VNNI lane sums (and not AVX-VNNI-INT8's), every type of
+// dflash_batch_dot is computed in pairs of activation rows per 512-bit register. On other CPUs with AVX2 (most
+// desktops: AMD Zen 2 and 3, Intel's client cores) q4_K and q6_K, whose vec_dot is AVX2 everywhere, are computed a
+// 256-bit activation row at a time, the weight's super-block unpacked once for all of them (q8_0 and q5_0 go to
+// llamafile's sgemm there, README.md). dflash_batch_gemm takes whole products of q5_0, q4_0, q4_1 and q4_K weights and
+// 4 rows or more (prompt chunks, verify blocks) on every CPU with AVX2, and dflash_quantize_row_q8_K gives the
+// reference's q8_K bytes with AVX2.
 // Elsewhere both return false and ggml calls vec_dot as before.
 
 #include "batch_dot.h"
@@ -120,63 +120,6 @@ static inline void q6_K_quants(const q6_K_block * x, __m256i q[8]) {
 static inline __m256i q6_K_chunk_scales(const q6_K_block * x, int c) {
     return _mm256_set_m128i(_mm_set1_epi16(x->scales[2 * c + 1]), _mm_set1_epi16(x->scales[2 * c]));
 }
-
-// ---- q4_1 weights against q8_1 activations, on every CPU with AVX2 -----------------------------------------------
-// vec_dot, per block of 32: acc[lane] = fma(x.d * y.d, float(lane sum of 4 products), acc[lane]), and a scalar sum of
-// x.m * y.s beside it; then hsum8(acc) + that sum. A lane's 4 products of 4-bit by 8-bit quants cannot overflow, so
-// maddubs + madd gives the integers vec_dot's dpbusd gives on VNNI CPUs. A few weight rows at a time are unpacked once
-// (into `qx`, on the stack) for all activation rows, and each activation block is read once for them. 4 weight rows a
-// time: against 16 activation rows of 2048 columns, 0.94x the time of 2 or of 1 a time (best of 4 runs of
-// `check_batch_dot bench` on the 2-core EPYC, AVX2).
-enum { Q4_1_ROWS = 4, Q4_1_MAX_BLOCKS = 1024 };  // rows of up to 32768 columns: 160 KB of unpacked weights on the stack
-
-static inline void q4_1_unpack(const q4_1_block * x, int nb, __m256i * qx, float * xd, float * xm) {
-    for (int b = 0; b < nb; ++b) {
-        qx[b] = nibbles(x[b].qs);
-        xd[b] = f16(x[b].d);
-        xm[b] = f16(x[b].m);
-    }
-}
-
-static bool dot_q4_1(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
-                     float * dst, size_t dst_stride) {
-    if (nb > Q4_1_MAX_BLOCKS) {
-        return false;
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i qx[Q4_1_ROWS][nb];
-    float xd[Q4_1_ROWS][nb], xm[Q4_1_ROWS][nb];
-    for (int i = 0; i < nw; i += Q4_1_ROWS) {
-        const int nr = nw - i < Q4_1_ROWS ? nw - i : Q4_1_ROWS;  // weight rows this time
-        for (int k = 0; k < nr; ++k) {
-            q4_1_unpack((const q4_1_block *) (w + (i + k) * w_stride), nb, qx[k], xd[k], xm[k]);
-        }
-        for (int r = 0; r < ny; ++r) {
-            const q8_1_block * yb = (const q8_1_block *) (y + r * y_stride);
-            __m256 acc[Q4_1_ROWS];
-            float summs[Q4_1_ROWS];
-            for (int k = 0; k < Q4_1_ROWS; ++k) {
-                acc[k] = _mm256_setzero_ps();
-                summs[k] = 0;
-            }
-            for (int b = 0; b < nb; ++b) {
-                const float yd = f16(yb[b].d), ys = f16(yb[b].s);
-                const __m256i qy = _mm256_loadu_si256((const __m256i *) yb[b].qs);
-                for (int k = 0; k < nr; ++k) {
-                    summs[k] += xm[k][b] * ys;
-                    const __m256 d = _mm256_mul_ps(_mm256_set1_ps(xd[k][b]), _mm256_set1_ps(yd));
-                    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(qx[k][b], qy), ones);
-                    acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc[k]);
-                }
-            }
-            for (int k = 0; k < nr; ++k) {
-                dst[(size_t) r * dst_stride + i + k] = hsum8(acc[k]) + summs[k];
-            }
-        }
-    }
-    return true;
-}
-
 
 // ---- q5_0 and q4_0 weights against q8_0 activations: whole products of many rows, on every CPU with AVX2 ----------
 // vec_dot, per block of 32: acc[lane] = fma(x.d * y.d, float(sum of the lane's 4 products), acc[lane]); then hsum8.
@@ -283,6 +226,94 @@ static void gemm_q0(enum ggml_type type, int nb, const char * w, size_t w_stride
             case 3: gemm_q0_rows(3, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
             case 2: gemm_q0_rows(2, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
             default: gemm_q0_rows(1, x, nb, offset, y, y_stride, ny, dst + i0, dst_stride); break;
+        }
+    }
+}
+
+// ---- q4_1 weights against q8_1 activations: whole products of many rows, on every CPU with AVX2 ----------------
+// vec_dot, per block of 32: acc[lane] = fma(x.d * y.d, float(lane sum of 4 products), acc[lane]), and beside it
+// summs = fma(x.m, y.s, summs) (GCC and clang contract its `summs += x.m * y.s`); then hsum8(acc) + summs. The
+// nibbles are unsigned, so maddubs + madd (or dpbusd) gives vec_dot's integers. A thread unpacks 4 weight rows once
+// for all the activation rows and computes tiles of 4 x 2, whose 8 running sums of mins are the 8 lanes of one
+// register (lane r + 4c): the same fused multiply-add per lane, one instruction a block for the tile.
+// `check_batch_dot bench` (one thread, the 2-core EPYC, AVX512-VNNI): a 2048 x 640 product of 512 rows 12.3 ms against
+// vec_dot's 31.3. The same kernel in 16-row tiles took 3.1 ms for 4096 x 2048 against the previous tiles' 5.85, so it
+// replaced them; below 4 rows vec_dot is faster (1536 x 576 by 2 rows: 109 us, vec_dot 81).
+static inline __attribute__((always_inline)) void gemm_q4_1_tile(const int R, const int C, const __m256i * xq,
+                                                                 const __m256 * xd, const __m256 * xm, int nb, const char * y,
+                                                                 size_t y_stride, float * dst, size_t dst_stride) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 acc[GEMM_ROWS][GEMM_COLS];
+    __m256 summs = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_setzero_ps();
+        }
+    }
+    for (int b = 0; b < nb; ++b) {
+        const q8_1_block * yb[GEMM_COLS];
+        for (int c = 0; c < C; ++c) {
+            yb[c] = (const q8_1_block *) (y + c * y_stride) + b;
+        }
+        const __m128 s0 = _mm_set1_ps(f16(yb[0]->s));
+        const __m256 ys = _mm256_set_m128(C > 1 ? _mm_set1_ps(f16(yb[C - 1]->s)) : _mm_setzero_ps(), s0);
+        summs = _mm256_fmadd_ps(xm[b], ys, summs);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            const __m256i qy = _mm256_loadu_si256((const __m256i *) yb[c]->qs);
+            const __m256 yd = _mm256_set1_ps(f16(yb[c]->d));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const __m256i sums = lane_dot(zero, xq[b * R + r], qy);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(xd[b * R + r], yd), _mm256_cvtepi32_ps(sums), acc[r][c]);
+            }
+        }
+    }
+    float m[8];
+    _mm256_storeu_ps(m, summs);
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            dst[c * dst_stride + r] = hsum8(acc[r][c]) + m[r + 4 * c];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_q4_1_rows(const int R, const __m256i * xq,
+                                                                 const __m256 * xd, const __m256 * xm, int nb, const char * y,
+                                                                 size_t y_stride, int ny, float * dst,
+                                                                 size_t dst_stride) {
+    int c = 0;
+    for (; c + GEMM_COLS <= ny; c += GEMM_COLS) {
+        gemm_q4_1_tile(R, GEMM_COLS, xq, xd, xm, nb, y + c * y_stride, y_stride, dst + c * dst_stride, dst_stride);
+    }
+    for (; c < ny; ++c) {
+        gemm_q4_1_tile(R, 1, xq, xd, xm, nb, y + c * y_stride, y_stride, dst + c * dst_stride, dst_stride);
+    }
+}
+
+static void gemm_q4_1(int nb, const char * w, size_t w_stride, int nw, const char * y, size_t y_stride, int ny,
+                      float * dst, size_t dst_stride, int ith, int nth) {
+    __m256i xq[GEMM_ROWS * nb];
+    __m256 xd[GEMM_ROWS * nb], xm[nb];  // each row's scale over 8 lanes; the rows' mins, lane r + 4c taking row r's
+    const int tiles = (nw + GEMM_ROWS - 1) / GEMM_ROWS;
+    for (int t = tiles * ith / nth; t < tiles * (ith + 1) / nth; ++t) {
+        const int i0 = t * GEMM_ROWS, R = nw - i0 < GEMM_ROWS ? nw - i0 : GEMM_ROWS;
+        for (int b = 0; b < nb; ++b) {
+            float m[4] = {0, 0, 0, 0};
+            for (int r = 0; r < R; ++r) {
+                const q4_1_block * xb = (const q4_1_block *) (w + (size_t) (i0 + r) * w_stride) + b;
+                xq[b * R + r] = nibbles(xb->qs);
+                xd[b * R + r] = _mm256_set1_ps(f16(xb->d));
+                m[r] = f16(xb->m);
+            }
+            const __m128 m4 = _mm_loadu_ps(m);
+            xm[b] = _mm256_set_m128(m4, m4);
+        }
+        switch (R) {
+            case 4: gemm_q4_1_rows(4, xq, xd, xm, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            case 3: gemm_q4_1_rows(3, xq, xd, xm, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            case 2: gemm_q4_1_rows(2, xq, xd, xm, nb, y, y_stride, ny, dst + i0, dst_stride); break;
+            default: gemm_q4_1_rows(1, xq, xd, xm, nb, y, y_stride, ny, dst + i0, dst_stride); break;
         }
     }
 }
@@ -900,8 +931,6 @@ bool dflash_batch_dot(enum ggml_type type, int n, const void * w, size_t w_strid
             return dot_q0(unpack_q5_0, 16, sizeof(q5_0_block), n / 32, (const char *) w, w_stride, nw,
                           (const char *) y, y_stride, ny, dst, dst_stride);
 #endif
-        case GGML_TYPE_Q4_1:
-            return dot_q4_1(n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q4_K:
             return dot_q4_K(n / 256, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride);
         case GGML_TYPE_Q6_K:
@@ -927,6 +956,10 @@ bool dflash_batch_gemm(enum ggml_type type, int n, const void * w, size_t w_stri
         case GGML_TYPE_Q4_0:
             gemm_q0(type, n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
                     nth);
+            return true;
+        case GGML_TYPE_Q4_1:
+            gemm_q4_1(n / 32, (const char *) w, w_stride, nw, (const char *) y, y_stride, ny, dst, dst_stride, ith,
+                      nth);
             return true;
         case GGML_TYPE_Q4_K:  // below 32 rows (verify blocks) the 16-row tiles are as fast, on 2 threads faster
             if (ny < GEMM_MIN_COLS_K) {

@@ -2,7 +2,8 @@
 // each type it has a kernel for (exit status 1 and the counts where one differs; "no kernel" where this CPU has
 // none), and with "bench" the time of a 4096 x 2048 product of 16 rows both ways. Then dflash_batch_gemm the same
 // way: whole products of 4..64 rows shared by 1, 2 and 3 threads ("gemm TYPE: no kernel" where it has none), and
-// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers; q4_K 2048 x 2048).
+// with "bench" a 2048 x 640 product of 512 rows (a prompt chunk through gemma-3-270m's q5_0 layers, and q4_0 and
+// q4_1; q4_K 2048 x 2048).
 // Then the q8_K quantizer against the reference, byte for byte. Built and run by tests/test_batch_dot.py against the
 // installed llama.cpp:
 //   cc -O2 -march=native -I SITE/include check_batch_dot.c -L SITE/llama_cpp/lib -lggml-cpu -lggml-base -lggml
@@ -90,7 +91,7 @@ static int check_q8_K(int bench) {
 int main(int argc, char ** argv) {
     int bench = argc > 1 && !strcmp(argv[1], "bench");
     ggml_cpu_init();
-    enum ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q5_0, GGML_TYPE_Q4_1, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    enum ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q5_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
     int bad = 0;
     srand(1);
     for (int t = 0; t < (int) (sizeof(types) / sizeof(types[0])); ++t) {
@@ -133,8 +134,8 @@ int main(int argc, char ** argv) {
         }
         free(W); free(Y); free(ref); free(out);
     }
-    const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K};
-    for (int t = 0; t < 3; ++t) {
+    const enum ggml_type gemm_types[] = {GGML_TYPE_Q5_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q4_K};
+    for (int t = 0; t < 4; ++t) {
         const enum ggml_type type = gemm_types[t];
         const struct ggml_type_traits_cpu * tw = ggml_get_type_traits_cpu(type);
         const int n = type == GGML_TYPE_Q4_K ? (bench ? 2048 : 768) : 640, nw = bench ? 2048 : 67,
