@@ -2,10 +2,11 @@
 //
 // A row's result is a function of the row alone. Its cells go in segments of FA_SEGMENT at fixed cell indices, each
 // in blocks of FA_CELLS. In a block, each score is one dot product (one 8-lane fused multiply-add chain over the
-// head's values in order, then a fixed horizontal sum); the block's maximum updates the segment's running one; the
-// block's probabilities are exponentials of the scores less that maximum (masked cells: 0); the running sum and output
-// are scaled once by exp(old maximum - new maximum), then the block's probabilities are added to the sum and its value
-// rows to the output, in cell order, by fused multiply-adds. The segments' sums and outputs are merged in segment
+// head's values in order, then the lanes summed in a fixed tree, hsum4's); the block's maximum updates the segment's
+// running one; the block's probabilities are exponentials of the scores less that maximum (masked cells: 0), summed
+// 8 lanes at a time (lane j: cells j, j + 8, ...) then by the same tree; the running sum is scaled by exp(old maximum -
+// new maximum) and the block's sum added in one fused multiply-add, and the output is scaled once and the value rows
+// added to it in cell order by fused multiply-adds. The segments' sums and outputs are merged in segment
 // order. Masked cells add exact zeros, so cells a batch holds beyond a row's own (a longer cache, a later row's
 // positions) change nothing, and a block or segment with no cell for a row is skipped. How rows, heads and segments
 // are shared among threads and tiles only decides which loads are shared and where states wait: every score and
@@ -34,21 +35,36 @@ bool dflash_flash_attn_batch_invariant(void) {
 #define FA_IN_PLACE 4  // at most this many pairs read an f16 cache in place rather than converted
 #define FA_SEGMENT 512  // cells per segment: a row's partial sums, merged in order (whole blocks)
 
-// vec.h's ggml_v_expf takes the widest vector the build has: 16 lanes where AVX512F and AVX512DQ are on. Each lane is
-// computed on its own, so 8 cells in the low half of a 512-bit vector get the same bits wherever they sit in a row.
-static inline __m256 exp8(__m256 x) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    return _mm512_castps512_ps256(ggml_v_expf(_mm512_zextps256_ps512(x)));
+// Converted K rows: 4 pairs' dot products with 4 cells at a time where AVX512VL gives 32 vector registers, else 2
+#if defined(__AVX512VL__)
+#define FA_TILE_PAIRS 4
 #else
-    return ggml_v_expf(x);
+#define FA_TILE_PAIRS 2
+#endif
+
+// exponentials of 16 lanes, two halves: one 512-bit vector where the build has them (vec.h's ggml_v_expf takes the
+// widest vector the build has). Each lane is computed on its own, so a cell gets the same bits wherever it sits
+static inline void exp16(__m256 a, __m256 b, __m256 * ea, __m256 * eb) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const __m512 e = ggml_v_expf(_mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1));
+    *ea = _mm512_castps512_ps256(e);
+    *eb = _mm512_extractf32x8_ps(e, 1);
+#else
+    *ea = ggml_v_expf(a);
+    *eb = ggml_v_expf(b);
 #endif
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+// the lane sums of four 8-lane vectors, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the one order every
+// score and block sum is summed in, however many are summed at once
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// lanes 0 .. n - 1 set
+static inline __m256 first_lanes(int n) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
 // a block's K or V rows: floats (converted, or an f32 cache), or f16 read in place (the conversion is exact either way)
@@ -81,9 +97,17 @@ static inline __attribute__((always_inline)) void dots(int np, int nc, bool half
                 acc[p][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][j]);
         }
     }
-    for (int p = 0; p < np; p++)
-        for (int j = 0; j < nc; j++)
-            s[p * FA_CELLS + c + j] = hsum(acc[p][j]);
+    for (int p = 0; p < np; p++) {
+        const __m128 r = hsum4(acc[p][0], acc[p][nc > 1 ? 1 : 0], acc[p][nc > 2 ? 2 : 0], acc[p][nc > 3 ? 3 : 0]);
+        if (nc == 4) {
+            _mm_storeu_ps(s + p * FA_CELLS + c, r);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, r);
+            for (int j = 0; j < nc; j++)
+                s[p * FA_CELLS + c + j] = t[j];
+        }
+    }
 }
 
 // s[p][0..nc) for the np (<= 2) query rows q, f16 cells read in place: 4 cells at a time, then one
@@ -100,21 +124,26 @@ static inline __attribute__((always_inline)) void block_dots_half(int np, const 
     }
 }
 
-// the same for np (<= 4) query rows over converted cells: 3 cells at a time (each cell loaded once for 4 rows), then one
+// the same for np (<= FA_TILE_PAIRS) query rows over converted cells: 4 cells at a time (each cell loaded once for the
+// rows), then one
 static void block_dots(int np, const float * const * q, struct rows k, int nc, int64_t dk, float * s) {
     int c = 0;
-    for (; c + 3 <= nc; c += 3) {
+    for (; c + 4 <= nc; c += 4) {
         switch (np) {
-            case 4:  dots(4, 3, false, q, k, c, dk, s); break;
-            case 3:  dots(3, 3, false, q, k, c, dk, s); break;
-            case 2:  dots(2, 3, false, q, k, c, dk, s); break;
-            default: dots(1, 3, false, q, k, c, dk, s); break;
+#if FA_TILE_PAIRS == 4
+            case 4:  dots(4, 4, false, q, k, c, dk, s); break;
+            case 3:  dots(3, 4, false, q, k, c, dk, s); break;
+#endif
+            case 2:  dots(2, 4, false, q, k, c, dk, s); break;
+            default: dots(1, 4, false, q, k, c, dk, s); break;
         }
     }
     for (; c < nc; c++) {
         switch (np) {
+#if FA_TILE_PAIRS == 4
             case 4:  dots(4, 1, false, q, k, c, dk, s); break;
             case 3:  dots(3, 1, false, q, k, c, dk, s); break;
+#endif
             case 2:  dots(2, 1, false, q, k, c, dk, s); break;
             default: dots(1, 1, false, q, k, c, dk, s); break;
         }
@@ -270,10 +299,11 @@ static inline void store_cells(float * p, int n, __m256 v) {
 }
 
 // a pair's block: scores scaled, capped and masked in place, the running maximum updated; the rescale of its output
-// (alpha) and the block's probabilities e (masked cells 0). False where the block has no cell for the pair. Cells go
-// 8 at a time (the last few padded), so a cell's operations do not depend on where the cache ends
+// (alpha), the block's probabilities e (masked cells 0) and their sum. False where the block has no cell for the pair.
+// Cells go 8 at a time (the last few padded, adding exact zeros), so a cell's operations do not depend on where the
+// cache ends
 static bool probabilities(const struct attn * a, const struct pair * pr, int64_t c0, int nc, float * s,
-                          float * run_max, float * alpha, float * e) {
+                          float * run_max, float * alpha, float * e, float * sum) {
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(a->scale);
     __m256 vmax = minus_inf;
     const ggml_fp16_t zero = GGML_CPU_FP32_TO_FP16(0.0f), masked = GGML_CPU_FP32_TO_FP16(-INFINITY);
@@ -307,35 +337,27 @@ static bool probabilities(const struct attn * a, const struct pair * pr, int64_t
     }
     const float new_max = *run_max > block_max ? *run_max : block_max;
     *alpha = expf(*run_max - new_max);  // 0 at the first block
-    // exp(s - new_max), 8 cells at a time, each lane on its own; masked cells 0
-    for (int c = 0; c < nc; c += 8) {  // (e may be s itself: each group is read before it is written)
-        const int n = nc - c < 8 ? nc - c : 8;
-        const __m256 x = load_cells(s + c, n);
-        const __m256 ex = exp8(_mm256_sub_ps(x, _mm256_set1_ps(new_max)));
-        store_cells(e + c, n, _mm256_blendv_ps(ex, _mm256_setzero_ps(), _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ)));
+    // exp(s - new_max), 16 cells at a time, each lane on its own; masked cells and lanes past the block 0, and the
+    // sum over 8 lanes
+    const __m256 none = _mm256_setzero_ps(), vmax_new = _mm256_set1_ps(new_max);
+    __m256 vsum = none;
+    for (int c = 0; c < nc; c += 16) {  // (e may be s itself: each group is read before it is written)
+        const int na = nc - c < 8 ? nc - c : 8, nb = nc - c - 8 < 8 ? nc - c - 8 : 8;  // nb <= 0: no second half
+        const __m256 xa = load_cells(s + c, na), xb = nb > 0 ? load_cells(s + c + 8, nb) : minus_inf;
+        __m256 ea, eb;
+        exp16(_mm256_sub_ps(xa, vmax_new), _mm256_sub_ps(xb, vmax_new), &ea, &eb);
+        ea = _mm256_and_ps(_mm256_blendv_ps(ea, none, _mm256_cmp_ps(xa, minus_inf, _CMP_EQ_OQ)), first_lanes(na));
+        store_cells(e + c, na, ea);
+        vsum = _mm256_add_ps(vsum, ea);
+        if (nb > 0) {
+            eb = _mm256_and_ps(_mm256_blendv_ps(eb, none, _mm256_cmp_ps(xb, minus_inf, _CMP_EQ_OQ)), first_lanes(nb));
+            store_cells(e + c + 8, nb, eb);
+            vsum = _mm256_add_ps(vsum, eb);
+        }
     }
+    *sum = _mm_cvtss_f32(hsum4(vsum, vsum, vsum, vsum));
     *run_max = new_max;
     return true;
-}
-
-// run_sum = run_sum * alpha + the sum of the block's e in cell order, for n pairs (e's rows FA_CELLS apart): four
-// pairs' sums side by side, each still one chain of adds
-static void add_sums(const float * e, int64_t n, int nc, const float * alpha, const int64_t * idx, float * run_sum) {
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int c = 0; c < nc; c++)
-            for (int j = 0; j < 4; j++)
-                b[j] += e[(i + j) * FA_CELLS + c];
-        for (int j = 0; j < 4; j++)
-            run_sum[idx[i + j]] = fmaf(run_sum[idx[i + j]], alpha[i + j], b[j]);
-    }
-    for (; i < n; i++) {
-        float b = 0.0f;
-        for (int c = 0; c < nc; c++)
-            b += e[i * FA_CELLS + c];
-        run_sum[idx[i]] = fmaf(run_sum[idx[i]], alpha[i], b);
-    }
 }
 
 // the cells [c_begin, c_end) (whole blocks but the cache's last) for np pairs of K/V head kvh, from state st;
@@ -377,27 +399,29 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
         }
 
         // scores: pairs side by side (two in place, four over converted cells), each's row of sc
-        const int64_t step = kr.half ? 2 : 4;
+        const int64_t step = kr.half ? 2 : FA_TILE_PAIRS;
         for (int64_t i = 0; i < nl; i += step) {
             const int n = (int) (nl - i < step ? nl - i : step);
-            const float * qs[4];
+            const float * qs[FA_TILE_PAIRS > 2 ? FA_TILE_PAIRS : 2];
             for (int p = 0; p < n; p++)
                 qs[p] = pairs[idx[i + p]].q;
             if (kr.half) block_dots_half(n, qs, kr, nc, dk, sc + i * FA_CELLS);
             else         block_dots(n, qs, kr, nc, dk, sc + i * FA_CELLS);
         }
 
-        // probabilities pair by pair (sc's rows become e), then value rows: in place pair by pair, converted four
-        // pairs at a time
+        // probabilities pair by pair (sc's rows become e) and the running sums, then value rows: in place pair by
+        // pair, converted four pairs at a time
         int64_t nv = 0;  // the pairs with a cell in the block that adds
         float alpha[FA_PAIRS];
         for (int64_t i = 0; i < nl; i++) {  // row nv <= i: the live pairs' e packed at the front of sc
             const int64_t p = idx[i];
-            if (probabilities(a, &pairs[p], c0, nc, sc + i * FA_CELLS, &st.max[p], &alpha[nv], sc + nv * FA_CELLS)) {
+            float sum;
+            if (probabilities(a, &pairs[p], c0, nc, sc + i * FA_CELLS, &st.max[p], &alpha[nv], sc + nv * FA_CELLS,
+                              &sum)) {
+                st.sum[p] = fmaf(st.sum[p], alpha[nv], sum);
                 idx[nv++] = p;
             }
         }
-        add_sums(sc, nv, nc, alpha, idx, st.sum);
         if (vr.half) {
             for (int64_t i = 0; i < nv; i++)
                 add_values(true, st.out + idx[i] * dv, alpha[i], sc + i * FA_CELLS, vr, nc, dv);
