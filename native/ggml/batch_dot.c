@@ -239,9 +239,12 @@ static void gemm_q0(enum ggml_type type, int nb, const char * w, size_t w_stride
 // `check_batch_dot bench` (one thread, the 2-core EPYC, AVX512-VNNI): a 2048 x 640 product of 512 rows 12.3 ms against
 // vec_dot's 31.3. The same kernel in 16-row tiles took 3.1 ms for 4096 x 2048 against the previous tiles' 5.85, so it
 // replaced them; below 4 rows vec_dot is faster (1536 x 576 by 2 rows: 109 us, vec_dot 81).
+_Static_assert(GEMM_ROWS * GEMM_COLS == 8, "a q4_1 tile's running sums of mins are the 8 lanes of one register");
+
 static inline __attribute__((always_inline)) void gemm_q4_1_tile(const int R, const int C, const __m256i * xq,
-                                                                 const __m256 * xd, const __m256 * xm, int nb, const char * y,
-                                                                 size_t y_stride, float * dst, size_t dst_stride) {
+                                                                 const __m256 * xd, const __m256 * xm, int nb,
+                                                                 const char * y, size_t y_stride, float * dst,
+                                                                 size_t dst_stride) {
     const __m256i zero = _mm256_setzero_si256();
     __m256 acc[GEMM_ROWS][GEMM_COLS];
     __m256 summs = _mm256_setzero_ps();
@@ -279,8 +282,8 @@ static inline __attribute__((always_inline)) void gemm_q4_1_tile(const int R, co
 }
 
 static inline __attribute__((always_inline)) void gemm_q4_1_rows(const int R, const __m256i * xq,
-                                                                 const __m256 * xd, const __m256 * xm, int nb, const char * y,
-                                                                 size_t y_stride, int ny, float * dst,
+                                                                 const __m256 * xd, const __m256 * xm, int nb,
+                                                                 const char * y, size_t y_stride, int ny, float * dst,
                                                                  size_t dst_stride) {
     int c = 0;
     for (; c + GEMM_COLS <= ny; c += GEMM_COLS) {

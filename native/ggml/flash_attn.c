@@ -398,7 +398,7 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
             vr = (struct rows) {(const char *) vf, dv * sizeof(float), false};
         }
 
-        // scores: pairs side by side (two in place, four over converted cells), each's row of sc
+        // scores: pairs side by side (two in place, FA_TILE_PAIRS over converted cells), each's row of sc
         const int64_t step = kr.half ? 2 : FA_TILE_PAIRS;
         for (int64_t i = 0; i < nl; i += step) {
             const int n = (int) (nl - i < step ? nl - i : step);
