@@ -740,3 +740,25 @@ def test_a_long_prompt_beside_a_stream_goes_a_slice_per_round(tiny_target, tiny_
     _, alone, _, _ = asyncio.run(run(False))
     assert beside[-1].token_ids == alone[-1].token_ids == single.complete(long, max_tokens=8).token_ids
     assert stream_events[-1].token_ids == single.complete("Hello world", max_tokens=300).token_ids
+
+
+def test_slices_beside_streams_take_about_their_step(tiny_target):
+    """The runner sizes the next prompt slice by the last one's time against the streams' usual step (their median):
+    as many tokens as that step would take at the last slice's rate, at most twice or half the last slice, never under
+    MIN_SLICE; before any stream has stepped, MIN_SLICE."""
+    from dflash_local.server.runner import MIN_SLICE, Runner
+
+    runner = Runner(Engine(tiny_target, n_ctx=256, n_slots=2))
+    assert runner._prompt_slice() == MIN_SLICE
+    runner._resize_slice(MIN_SLICE, 5.0)  # no step timed yet: nothing to size it by
+    assert runner._prompt_slice() == MIN_SLICE
+    runner._step_ms.extend([30.0, 30.0, 500.0])  # one long step (a long draft verified) does not move the median
+    runner._resize_slice(40, 40.0)  # 1 ms a token: the 30 ms step is 30 tokens
+    assert runner._prompt_slice() == 30
+    runner._resize_slice(30, 5.0)  # cheap tokens (a short context): at most twice the last slice
+    assert runner._prompt_slice() == 60
+    runner._resize_slice(60, 600.0)  # dear ones (a long context, or the drafter fed a batch): at most half
+    assert runner._prompt_slice() == 30
+    runner._resize_slice(30, 60.0)
+    assert runner._prompt_slice() == MIN_SLICE  # 15 tokens would take the step: MIN_SLICE is the floor
+    runner.close()

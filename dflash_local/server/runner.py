@@ -32,7 +32,10 @@ from ..engine.engine import DraftRequest, Engine, Finished, Generation, Interrup
 from ..engine.stats import StepStats
 
 
-MIN_SLICE = 16  # prompt tokens a prefilling slot decodes per round at least, while others stream
+# prompt tokens a prefilling slot decodes per round at least while others stream: at a long prompt's depth one token
+# alone costs more than their step (its decode reads the whole KV cache), and slices of a few tokens make the prompt
+# several times slower for gaps not much shorter (docs/measurements.md, 2026-12-07)
+MIN_SLICE = 16
 
 
 class QueueFullError(RuntimeError):
@@ -116,7 +119,7 @@ class Runner:
         self.interrupted = 0  # rounds interrupted so far (/metrics)
         self._last_used = [0] * len(engine.slots)
         self._step_ms: deque[float] = deque(maxlen=9)  # the streams' last decodes (drafts and step)
-        self._prompt_ms: float | None = None  # milliseconds per prompt token, a running mean
+        self._slice: float | None = None  # prompt tokens per round beside streams, resized by each slice's time
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -265,9 +268,8 @@ class Runner:
             before, t0 = self.slots[slot].n_prompt_done, time.perf_counter()
             prefilling = not self._decoding(slot)
             q = self._advance(slot)
-            if prefilling and self.slots[slot].n_prompt_done > before:
-                ms = (time.perf_counter() - t0) * 1000 / (self.slots[slot].n_prompt_done - before)
-                self._prompt_ms = ms if self._prompt_ms is None else 0.5 * (self._prompt_ms + ms)
+            if streaming and prefilling and self.slots[slot].n_prompt_done > before:
+                self._resize_slice(self.slots[slot].n_prompt_done - before, (time.perf_counter() - t0) * 1000)
             (drafts if isinstance(q, DraftRequest) else requests).append(q)
         t0 = time.perf_counter()
         while drafts:
@@ -304,13 +306,17 @@ class Runner:
         return slot in self._running and task.n_prompt_done >= task.n_prompt
 
     def _prompt_slice(self) -> int:
-        """Prompt tokens a prefilling slot may decode in a round while others stream: about as long as their usual
-        step (the median of the last ones: a step that verified a long draft must not size the next slice), so their
-        gap between tokens stays within about twice the usual (issue #37), never under MIN_SLICE tokens; a long
-        prompt then takes about twice as long as alone. Before both times are measured, MIN_SLICE."""
-        if not self._step_ms or self._prompt_ms is None:
-            return MIN_SLICE
-        return max(MIN_SLICE, int(statistics.median(self._step_ms) / self._prompt_ms))
+        """Prompt tokens a prefilling slot decodes in a round while others stream: as many as take about as long as
+        their usual step (the median of their last ones: a step that verified a long draft must not size it), so that
+        their gap between tokens stays about twice the usual (issue #37); MIN_SLICE tokens at least."""
+        return max(MIN_SLICE, round(self._slice or 0))
+
+    def _resize_slice(self, n: int, ms: float) -> None:
+        """A slice of n prompt tokens took ms: the next one is as many tokens as the streams' usual step would take
+        at that rate. A prompt token costs more as its context grows, and a slice that also fed the drafter a batch
+        of features costs more than its tokens: the size at most halves or doubles at a time."""
+        if self._step_ms:
+            self._slice = max(MIN_SLICE, n * min(2.0, max(0.5, statistics.median(self._step_ms) / ms)))
 
     def _short(self, job: Job) -> bool:
         """A free slot can take the job and what its cache lacks of the prompt fits in one slice. Only then is the
