@@ -110,11 +110,25 @@ static inline __attribute__((always_inline)) void dots(int np, int nc, bool half
     }
 }
 
-// s[p][0..nc) for the np (<= 2) query rows q, f16 cells read in place: 4 cells at a time, then one
+// prefetch 4 cells' rows of `bytes` each: in a cache a cell's row holds every K/V head, so a head's rows are strided,
+// which the CPU's own prefetchers do not follow well, and a long context's cache does not fit the CPU's caches
+static inline __attribute__((always_inline)) void fetch_rows(const char * p, size_t stride, int64_t bytes) {
+    for (int j = 0; j < 4; j++)
+        for (int64_t b = 0; b < bytes; b += 64)
+            _mm_prefetch(p + j * stride + b, _MM_HINT_T0);
+}
+
+// s[p][0..nc) for the np (<= 2) query rows q, f16 cells read in place: 4 cells at a time, then one; with v, the rows
+// that come next are prefetched
 static inline __attribute__((always_inline)) void block_dots_half(int np, const float * const * q, struct rows k,
-                                                                  int nc, int64_t dk, float * s) {
+                                                                  int nc, int64_t dk, float * s, const struct rows * v,
+                                                                  int64_t dv) {
     int c = 0;
     for (; c + 4 <= nc; c += 4) {
+        if (v) {  // the next block's K rows and this block's V rows on their way from memory (fetch_rows)
+            fetch_rows(k.data + (c + FA_CELLS) * k.stride, k.stride, 2 * dk);
+            fetch_rows(v->data + c * v->stride, v->stride, 2 * dv);
+        }
         if (np == 2) dots(2, 4, true, q, k, c, dk, s);
         else         dots(1, 4, true, q, k, c, dk, s);
     }
@@ -405,7 +419,7 @@ static void attend_cells(const struct attn * a, const struct pair * pairs, int64
             const float * qs[FA_TILE_PAIRS > 2 ? FA_TILE_PAIRS : 2];
             for (int p = 0; p < n; p++)
                 qs[p] = pairs[idx[i + p]].q;
-            if (kr.half) block_dots_half(n, qs, kr, nc, dk, sc + i * FA_CELLS);
+            if (kr.half) block_dots_half(n, qs, kr, nc, dk, sc + i * FA_CELLS, i == 0 && vr.half ? &vr : NULL, dv);
             else         block_dots(n, qs, kr, nc, dk, sc + i * FA_CELLS);
         }
 
@@ -558,10 +572,12 @@ bool dflash_flash_attn(const struct ggml_compute_params * params, struct ggml_te
         scratch = (float *) params->wdata + ith * split_need;
         float * states = (float *) params->wdata + nth * split_need;
         const int64_t n_units = a.n_groups * a.units_per_group;
+        // segment after segment, each unit's part of it: a cache cell's row holds all its K/V heads, so the heads of
+        // one segment go together while its rows are in the CPU's caches
         for (int64_t item = ith; item < n_units * n_segs; item += nth) {
-            const int64_t u = item / n_segs, seg = item % n_segs;
+            const int64_t seg = item / n_units, u = item % n_units;
             const int64_t np = unit_pairs(&a, u, pairs, &kvh, &iq3);
-            float * b = states + item * unit_state;
+            float * b = states + (u * n_segs + seg) * unit_state;
             struct state st = {b, b + a.per_unit, b + 2 * a.per_unit};
             state_init(st, np, dv);
             const int64_t end = (seg + 1) * FA_SEGMENT < a.n_kv ? (seg + 1) * FA_SEGMENT : a.n_kv;
