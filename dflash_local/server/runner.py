@@ -33,8 +33,8 @@ from ..engine.stats import StepStats
 
 
 # prompt tokens a prefilling slot decodes per round at least while others stream: at a long prompt's depth one token
-# alone costs more than their step (its decode reads the whole KV cache), and slices of a few tokens make the prompt
-# several times slower for gaps not much shorter (docs/measurements.md, 2026-12-07)
+# alone costs more than their step (its decode reads the whole KV cache), and slices of a few tokens halve their gaps
+# but make the prompt several times slower (docs/measurements.md, 2026-12-07)
 MIN_SLICE = 16
 
 
@@ -119,7 +119,7 @@ class Runner:
         self.interrupted = 0  # rounds interrupted so far (/metrics)
         self._last_used = [0] * len(engine.slots)
         self._step_ms: deque[float] = deque(maxlen=9)  # the streams' last decodes (drafts and step)
-        self._slice: float | None = None  # prompt tokens per round beside streams, resized by each slice's time
+        self._slice = float(MIN_SLICE)  # prompt tokens per round beside streams, resized by each slice's time
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -309,7 +309,7 @@ class Runner:
         """Prompt tokens a prefilling slot decodes in a round while others stream: as many as take about as long as
         their usual step (the median of their last ones: a step that verified a long draft must not size it), so that
         their gap between tokens stays about twice the usual (issue #37); MIN_SLICE tokens at least."""
-        return max(MIN_SLICE, round(self._slice or 0))
+        return round(self._slice)
 
     def _resize_slice(self, n: int, ms: float) -> None:
         """A slice of n prompt tokens took ms: the next one is as many tokens as the streams' usual step would take
