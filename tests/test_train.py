@@ -116,6 +116,27 @@ def test_data_from_other_prompts_is_refused(run, tiny_target, corpus):
     assert len(make_data(tiny_target, out / "data", [1, 3], prompts, 12, 40)) == 12  # the same ones are reused
 
 
+def test_a_run_keeps_its_own_prompts_when_the_corpus_changes_between_sittings(tmp_path, tiny_target):
+    """The default corpora are built from the installed packages, so one installed between two sittings reorders
+    them: the first sitting records the run's prompts and the next reads them back, so its samples stay its own."""
+    corpus = tmp_path / "prompts.txt"
+    texts = make_prompts(12, seed=3)
+    corpus.write_text("\n\n".join(texts) + "\n")
+    out = tmp_path / "run"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS
+    args[args.index("--samples") + 1] = "3"
+    args[args.index("--eval-every") + 1] = "0"
+    assert main(args + ["--steps", "2"]) == 0
+    order = training_prompts(corpus, seed=0)
+    assert json.loads((out / "prompts.json").read_text()) == order
+    corpus.write_text("\n\n".join(make_prompts(2, seed=4) + texts) + "\n")  # the corpus grew between sittings
+    assert training_prompts(corpus, seed=0)[:4] != order[:4]
+    args[args.index("--samples") + 1] = "4"
+    assert main(args + ["--steps", "4"]) == 0
+    for i in range(4):  # the first sitting's samples and the new one, all from the recorded order
+        assert str(load_sample(out / "data" / f"sample-{i:06d}.npz").prompt) == order[i]
+
+
 def test_a_run_with_other_shapes_is_refused(run, tiny_target, corpus, capsys):
     out, _ = run
     args = ["train", "-m", str(tiny_target), "-o", str(out), "--corpus", str(corpus)] + ARGS + ["--steps", "50"]

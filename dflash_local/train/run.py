@@ -307,12 +307,24 @@ class Trainer:
         from .corpus import training_prompts
 
         cfg = self.cfg
-        prompts = training_prompts(cfg.corpus, cfg.seed, chat=cfg.chat)
+        prompts = self.recorded("prompts.json", lambda: training_prompts(cfg.corpus, cfg.seed, chat=cfg.chat))
         n = len(prompts) - cfg.eval_prompts
         if cfg.samples > n:
             raise ValueError(f"the corpus has {len(prompts)} prompts: too few for {cfg.samples} samples and "
                              f"{cfg.eval_prompts} held-out prompts")
         return prompts[:n], prompts[n:]
+
+    def recorded(self, name: str, make) -> list[str]:
+        """The run's own list of prompts (or passages), written at its first sitting and read back by the later ones:
+        the default corpora are built from the installed packages, so installing one between sittings would
+        reorder them, and sample i must keep coming from the same prompt i."""
+        path = self.out / name
+        if path.exists():
+            return json.loads(path.read_text())
+        texts = make()
+        with atomic_output(path) as tmp:
+            tmp.write_text(json.dumps(texts))
+        return texts
 
     def make_data(self, prompts: list[str], held_out: list[str]) -> list[Sample]:
         cfg = self.cfg
@@ -331,7 +343,9 @@ class Trainer:
 
             t0, done[0] = time.perf_counter(), 0
             held = set(held_out)  # a --corpus file's texts are its passages too
-            passages = [p for p in training_prompts(cfg.corpus, cfg.seed, passages=True) if p not in held]
+            passages = [p for p in self.recorded("passages.json", lambda: training_prompts(cfg.corpus, cfg.seed,
+                                                                                          passages=True))
+                        if p not in held]
             paths += make_data(cfg.target, self.out / "data-text", cfg.target_layers, passages, cfg.text_samples, 0,
                                n_prompt_max=PASSAGE_TOKENS, n_parallel=cfg.parallel,
                                progress=lambda i, n: progress(i, n, "passage", cfg.text_samples),
