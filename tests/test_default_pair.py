@@ -18,7 +18,7 @@ HELD_OUT = {  # prompts never used in training: the gemma bench's raw prompts, S
     "smollm2": [json.loads(x) for x in (BENCH / "chat-heldout.jsonl").open()][::4],
 }
 # tau over those prompts (full blocks, 48 tokens each) must stay above this; an untrained drafter gets 1.0
-TAU_FLOOR = {"gemma": 1.15, "smollm2": 1.15}  # measured here: gemma 1.36, smollm2 1.42 on all 24 x 128 tokens
+TAU_FLOOR = {"gemma": 1.15, "smollm2": 1.15}  # measured here: gemma 1.36, smollm2 1.53 on all 24 x 128 tokens
 
 
 def test_the_default_pair_is_smollm2_with_a_chat_template():
